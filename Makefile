@@ -1,0 +1,30 @@
+# `make demo` and `make test` each create .venv (reused while pyproject.toml is unchanged),
+# install Flywheel into it, and run.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev,postgres,redis]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/flywheel demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+lint: $(STAMP)
+	$(BIN)/ruff check app ingest serving trainer kernels simulate tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache

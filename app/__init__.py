@@ -1,0 +1,1 @@
+"""Flywheel HTTP edge: FastAPI app, routes, settings, CLI, Celery app and SQL models."""

@@ -1,0 +1,96 @@
+"""`flywheel`: one CLI for every part. `--help` answers without importing torch.
+
+    flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
+    flywheel up [--port P] [--data-dir D]       broker + API; prints READY http://127.0.0.1:P
+    flywheel demo [--data-dir D]                start the stack, exercise it, print JSON
+
+Settings come from FLYWHEEL_* variables; the flags here override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from app.settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    if getattr(args, "data_dir", None) is not None:
+        overrides["data_dir"] = args.data_dir
+    if getattr(args, "port", None) is not None:
+        overrides["port"] = args.port
+    if getattr(args, "host", None) is not None:
+        overrides["host"] = args.host
+    return Settings(**overrides)
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from trainer.init_model import init_model
+
+    settings = _settings(args)
+    out = init_model(settings.model, settings.resolved_model_dir, overwrite=args.overwrite)
+    print(f"model ready in {out}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from app.stack import running_stack
+
+    settings = _settings(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with running_stack(settings) as stack:
+        print(f"READY {stack.base_url}", flush=True)
+        stop.wait()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    settings = _settings(args)
+    if args.port is None:  # a demo must not collide with a running `flywheel up`
+        settings = settings.model_copy(update={"port": 0})
+    return run_demo(settings, completions=args.completions)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--data-dir", type=Path, help="all state lives here (default: data)")
+        return p
+
+    p = with_common(sub.add_parser("init-model", help="build the default model locally"))
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_init_model)
+    p = with_common(sub.add_parser("up", help="start broker + API on this machine"))
+    p.add_argument("--port", type=int)
+    p.add_argument("--host")
+    p.set_defaults(func=cmd_up)
+    p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
+    p.add_argument("--completions", type=int, default=4)
+    p.add_argument("--port", type=int, help="API port (default: a free one)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    # kafka-python logs every refused connection while the embedded broker boots.
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

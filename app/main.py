@@ -1,0 +1,83 @@
+"""The FastAPI app factory. `lifespan` creates the engine, the producer and the DB.
+
+`settings.kafka_bootstrap` must name a reachable broker by the time the app starts (the CLI
+starts the embedded one first). Tests may pass ready-made `Services` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from app.routes import admin, completions, feedback, health
+from app.services import Services
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def build_services(settings: Settings) -> Services:
+    """Open everything a serving process holds; the caller closes it with `close_services`."""
+    from sqlmodel import Session
+
+    from app.db import ServedVersion, make_db_engine
+    from ingest.log import EventProducer, ensure_topics
+    from serving.torch_engine import TorchEngine
+    from trainer.init_model import init_model
+
+    if settings.kafka_bootstrap is None:
+        raise RuntimeError("settings.kafka_bootstrap is unset: start a broker first")
+    kafka = settings.kafka_config(settings.kafka_bootstrap)
+    ensure_topics(kafka)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = make_db_engine(settings.resolved_database_url)
+    model_dir = settings.resolved_model_dir
+    if settings.model_dir is None:  # the default model is built on first use
+        init_model(settings.model, model_dir)
+    engine = TorchEngine.load(model_dir, seed=settings.engine.seed,
+                              threads=settings.engine.threads)
+    with Session(db) as session:
+        if session.get(ServedVersion, engine.version.number) is None:
+            session.add(ServedVersion(number=engine.version.number, sha256=engine.version.sha256))
+            session.commit()
+    producer = EventProducer(kafka, client_id="flywheel-api")
+    return Services(settings=settings, kafka=kafka, engine=engine, producer=producer, db=db,
+                    tokenizer=engine.tokenizer)
+
+
+def close_services(services: Services) -> None:
+    services.producer.flush(timeout_s=services.kafka.delivery_timeout_ms / 1000)
+    services.producer.close()
+    services.engine.close()
+    services.db.dispose()
+
+
+def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = services is None
+        app.state.services = build_services(settings) if owned else services
+        try:
+            yield
+        finally:
+            if owned:
+                close_services(app.state.services)
+
+    app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
+    for module in (completions, feedback, admin, health):
+        app.include_router(module.router)
+
+    @app.middleware("http")
+    async def limit_body(request: Request,
+                         call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > settings.max_body_bytes:
+            return JSONResponse(status_code=413, content={
+                "detail": f"body of {length} bytes exceeds {settings.max_body_bytes}"})
+        return await call_next(request)
+
+    return app

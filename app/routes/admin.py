@@ -1,0 +1,25 @@
+"""Operator endpoints (bearer token): `GET /admin/status`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from app.deps import AdminDep, ServicesDep
+from app.schemas import StatusResponse
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+@router.get("/status", response_model=StatusResponse)
+async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
+    version = services.engine.version
+    return StatusResponse(
+        profile=services.settings.profile, model_version=version.number,
+        model_sha256=version.sha256, system_fingerprint=version.fingerprint,
+        kafka_bootstrap=services.kafka.bootstrap,
+        uptime_s=time.monotonic() - services.started_at,
+        completions=services.counters.completions,
+        feedback_accepted=services.counters.feedback_accepted,
+        feedback_duplicates=services.counters.feedback_duplicates)

@@ -1,0 +1,79 @@
+"""HTTP request and response models (OpenAI-compatible where the OpenAI API defines them)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ingest.events import FeedbackKind
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    session_id: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FeedbackRequest(BaseModel):
+    """What the product sends about one generation."""
+
+    event_id: str = Field(min_length=1, max_length=128)
+    generation_id: str = Field(min_length=1, max_length=128)
+    kind: FeedbackKind
+    value: float | None = None
+    occurred_at: datetime | None = None
+    source: str = Field(default="api", max_length=64)
+
+
+class FeedbackAccepted(BaseModel):
+    event_id: str
+    duplicate: bool
+
+
+class StatusResponse(BaseModel):
+    profile: str
+    model_version: int
+    model_sha256: str
+    system_fingerprint: str
+    kafka_bootstrap: str
+    uptime_s: float
+    completions: int
+    feedback_accepted: int
+    feedback_duplicates: int

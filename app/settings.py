@@ -1,0 +1,93 @@
+"""One typed settings tree for every Flywheel process.
+
+Built once at the edge (CLI or app factory) from `FLYWHEEL_*` environment variables and passed
+down explicitly; no other module reads the environment. Two profiles:
+
+- `embedded` (default): everything on one machine with zero set-up: a Tansu broker started as a
+  subprocess, SQLite under the data dir, Celery on a filesystem broker, a local artifact dir.
+- `production`: an existing Kafka cluster and PostgreSQL are required; Kafka consumer timeouts
+  keep Kafka's usual values.
+
+Nested groups use `__` in the environment (`FLYWHEEL_ENGINE__MAX_BATCH=32`); the connection
+settings are flat so `FLYWHEEL_KAFKA_BOOTSTRAP` and `FLYWHEEL_DATABASE_URL` read naturally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ingest.config import KafkaClientSettings, KafkaConfig, TopicSettings
+from serving.config import EngineSettings
+from trainer.config import TinyMoeSettings
+
+Profile = Literal["embedded", "production"]
+
+
+class Settings(BaseSettings):
+    """Everything a Flywheel process needs to know, validated at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__",
+                                      extra="ignore")
+
+    profile: Profile = "embedded"
+    data_dir: Path = Path("data")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+    kafka_bootstrap: str | None = None
+    database_url: str | None = None
+    celery_broker_url: str | None = None
+    artifact_store_url: str | None = None
+    model_dir: Path | None = None
+
+    admin_token: SecretStr = SecretStr("flywheel-admin")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+
+    topics: TopicSettings = TopicSettings()
+    kafka: KafkaClientSettings = KafkaClientSettings()
+    engine: EngineSettings = EngineSettings()
+    model: TinyMoeSettings = TinyMoeSettings()
+
+    @model_validator(mode="after")
+    def _production_needs_services(self) -> Settings:
+        if self.profile == "production":
+            missing = [name for name in ("kafka_bootstrap", "database_url")
+                       if getattr(self, name) is None]
+            if missing:
+                fields = ", ".join(f"FLYWHEEL_{m.upper()}" for m in missing)
+                raise ValueError(f"profile 'production' requires {fields}")
+        return self
+
+    # Derived locations and values: one place, so no caller re-derives them differently.
+    @property
+    def resolved_model_dir(self) -> Path:
+        return self.model_dir if self.model_dir is not None else self.data_dir / "models" / "base"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
+
+    @property
+    def resolved_celery_broker_url(self) -> str:
+        return self.celery_broker_url or "filesystem://"
+
+    @property
+    def resolved_artifact_store_url(self) -> str:
+        return self.artifact_store_url or str((self.data_dir / "artifacts").resolve())
+
+    def kafka_config(self, bootstrap: str) -> KafkaConfig:
+        """Resolve client settings for `bootstrap` (the embedded broker's or the cluster's)."""
+        # Tansu holds a group join for ~half the session timeout, so the embedded profile uses
+        # 6 s; a real cluster keeps Kafka's usual 45 s.
+        session = self.kafka.session_timeout_ms or (6_000 if self.profile == "embedded"
+                                                    else 45_000)
+        heartbeat = self.kafka.heartbeat_interval_ms or max(100, session // 3)
+        return KafkaConfig(bootstrap=bootstrap, topics=self.topics, session_timeout_ms=session,
+                           heartbeat_interval_ms=heartbeat,
+                           request_timeout_ms=self.kafka.request_timeout_ms,
+                           delivery_timeout_ms=self.kafka.delivery_timeout_ms,
+                           linger_ms=self.kafka.linger_ms)

@@ -1,0 +1,178 @@
+"""Wire types: every record Flywheel puts on Kafka, versioned, as JSON.
+
+Invariants (checked on decode, so a consumer never sees a record that breaks them):
+- Numeric arrays travel as `PackedArray`: little-endian bytes, base64, with dtype and shape;
+  never as JSON lists of floats.
+- `GenerationLogged`: `logprobs` has the length of `completion_token_ids`; `routed_experts`,
+  when present, has shape (P + T - 1, moe_layers, top_k): one row per position that went
+  through the model (the last sampled token is never fed back).
+- `FeedbackReceived.event_id` is the idempotency key; `edit_kept` carries the kept fraction.
+- Every record carries `schema_version`; a consumer rejects versions it does not know (DLQ).
+
+Topics and keys: sessions/feedback keyed by generation_id, dlq keyed by the original key.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+DType = Literal["int16", "int32", "int64", "float32", "uint8"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class EventDecodeError(ValueError):
+    """Raw bytes that are not a valid record of the expected type; the message says why."""
+
+
+class PackedArray(BaseModel):
+    """An n-d numeric array as little-endian bytes in base64."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dtype: DType
+    shape: tuple[int, ...]
+    data: str
+
+    @classmethod
+    def pack(cls, values: np.ndarray | Sequence[Any], dtype: DType) -> PackedArray:
+        array = np.ascontiguousarray(np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")))
+        return cls(dtype=dtype, shape=tuple(array.shape),
+                   data=base64.b64encode(array.tobytes()).decode("ascii"))
+
+    def unpack(self) -> np.ndarray:
+        raw = base64.b64decode(self.data)
+        return np.frombuffer(raw, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+    def tolist(self) -> list[Any]:
+        return self.unpack().tolist()
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @model_validator(mode="after")
+    def _size_matches_shape(self) -> PackedArray:
+        expected = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        actual = len(self.data) * 3 // 4 - self.data.count("=")
+        if actual != expected:
+            raise ValueError(f"packed {self.dtype}{list(self.shape)} needs {expected} bytes, "
+                             f"got {actual}")
+        return self
+
+
+class SamplingParams(BaseModel):
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=64, ge=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class GenerationLogged(BaseModel):
+    """One completion exactly as served: the trainer can recompute it token for token."""
+
+    event: Literal["GenerationLogged"] = "GenerationLogged"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    generation_id: str = Field(min_length=1, max_length=128)
+    request_id: str = Field(min_length=1, max_length=128)
+    model_version: int = Field(ge=0)
+    model_sha256: str
+    created_at: datetime = Field(default_factory=utcnow)
+    session_id: str | None = None
+    user_id: str | None = None
+    prompt_token_ids: PackedArray
+    completion_token_ids: PackedArray
+    logprobs: PackedArray
+    routed_experts: PackedArray | None = None
+    sampling: SamplingParams
+    finish_reason: Literal["stop", "length", "cancelled"]
+    latency_ms: float = Field(ge=0.0)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> GenerationLogged:
+        t = len(self.completion_token_ids)
+        if len(self.logprobs) != t:
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {t} tokens")
+        if self.routed_experts is not None:
+            rows = len(self.prompt_token_ids) + t - 1
+            if len(self.routed_experts.shape) != 3 or self.routed_experts.shape[0] != rows:
+                raise ValueError(f"routed_experts shape {list(self.routed_experts.shape)} "
+                                 f"needs ({rows}, layers, top_k)")
+        return self
+
+
+FeedbackKind = Literal["accept", "reject", "thumbs_up", "thumbs_down", "edit_kept",
+                       "followup_dissatisfied", "copied", "regenerated"]
+
+
+class FeedbackReceived(BaseModel):
+    """A user's judgment of one generation, as the product reported it."""
+
+    event: Literal["FeedbackReceived"] = "FeedbackReceived"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    event_id: Annotated[str, Field(min_length=1, max_length=128)]
+    generation_id: Annotated[str, Field(min_length=1, max_length=128)]
+    kind: FeedbackKind
+    value: float | None = None
+    occurred_at: datetime = Field(default_factory=utcnow)
+    received_at: datetime = Field(default_factory=utcnow)
+    source: str = Field(default="api", max_length=64)
+
+    @model_validator(mode="after")
+    def _value_fits_kind(self) -> FeedbackReceived:
+        if self.kind == "edit_kept" and (self.value is None or not 0.0 <= self.value <= 1.0):
+            raise ValueError("edit_kept needs value: the kept fraction in [0, 1]")
+        return self
+
+
+class DeadLetter(BaseModel):
+    """A record a consumer could not use, kept whole with the reason."""
+
+    event: Literal["DeadLetter"] = "DeadLetter"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    topic: str
+    partition: int | None = None
+    offset: int | None = None
+    key_b64: str | None = None
+    raw_b64: str
+    reason: str
+    consumer: str
+    failed_at: datetime = Field(default_factory=utcnow)
+
+    @classmethod
+    def of(cls, *, topic: str, raw: bytes, key: bytes | None, reason: str, consumer: str,
+           partition: int | None = None, offset: int | None = None) -> DeadLetter:
+        return cls(topic=topic, partition=partition, offset=offset, reason=reason,
+                   consumer=consumer, raw_b64=base64.b64encode(raw).decode("ascii"),
+                   key_b64=base64.b64encode(key).decode("ascii") if key is not None else None)
+
+    def raw(self) -> bytes:
+        return base64.b64decode(self.raw_b64)
+
+
+Event = GenerationLogged | FeedbackReceived | DeadLetter
+E = TypeVar("E", bound=BaseModel)
+
+
+def encode(event: BaseModel) -> bytes:
+    return event.model_dump_json().encode("utf-8")
+
+
+def decode(event_type: type[E], raw: bytes) -> E:
+    """Parse `raw` as `event_type`; the error names the offending field."""
+    try:
+        return event_type.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<record>"
+        raise EventDecodeError(f"{event_type.__name__}: {where}: {first['msg']}") from exc

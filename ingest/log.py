@@ -1,0 +1,166 @@
+"""The Kafka event log: typed producer, typed group consumer with manual commits, DLQ.
+
+Delivery is at-least-once everywhere (Tansu has no transactions, and idempotent processing
+holds on any Kafka): producers use acks=all + idempotence + zstd; consumers commit only after
+the caller has stored what depends on the records; a record that does not decode goes to the
+`dlq` topic with the reason and its raw bytes, and the consumer keeps going.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+from pydantic import BaseModel
+
+from ingest.config import KafkaConfig
+from ingest.events import DeadLetter, EventDecodeError, decode, encode
+
+log = logging.getLogger(__name__)
+E = TypeVar("E", bound=BaseModel)
+
+
+def ensure_topics(config: KafkaConfig) -> list[str]:
+    """Create every Flywheel topic that does not exist yet; return the ones created."""
+    admin = KafkaAdminClient(bootstrap_servers=config.bootstrap,
+                             request_timeout_ms=config.request_timeout_ms)
+    try:
+        existing = set(admin.list_topics())
+        wanted = [NewTopic(name, config.topics.partitions, config.topics.replication_factor)
+                  for name in config.topics.names() if name not in existing]
+        if wanted:
+            try:
+                admin.create_topics(wanted)
+            except TopicAlreadyExistsError:
+                pass  # another process created them between list and create: fine
+        return [t.name for t in wanted]
+    finally:
+        admin.close()
+
+
+class EventProducer:
+    """Sends pydantic events as JSON, keyed, with acks=all, idempotence and zstd."""
+
+    def __init__(self, config: KafkaConfig, *, client_id: str = "flywheel") -> None:
+        self.config = config
+        self._producer = KafkaProducer(
+            bootstrap_servers=config.bootstrap, client_id=client_id, acks="all",
+            enable_idempotence=True, compression_type="zstd", linger_ms=config.linger_ms,
+            request_timeout_ms=config.request_timeout_ms,
+            delivery_timeout_ms=config.delivery_timeout_ms,
+            max_block_ms=config.request_timeout_ms)
+
+    def send(self, topic: str, key: str | bytes | None, event: BaseModel) -> Any:
+        """Queue one event; returns kafka-python's future (`.get()` waits for the ack)."""
+        return self.send_raw(topic, key, encode(event))
+
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes) -> Any:
+        key_bytes = key.encode("utf-8") if isinstance(key, str) else key
+        return self._producer.send(topic, key=key_bytes, value=value)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self._producer.flush(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._producer.close(timeout=timeout_s)
+
+
+@dataclass(frozen=True)
+class Delivered(Generic[E]):
+    """One decoded record with where it came from (for commits and dedupe)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    event: E
+
+
+class EventConsumer:
+    """A group consumer over several topics, each decoded into its own event type.
+
+    `poll()` returns decoded records and sends undecodable ones to the DLQ (waiting for the
+    DLQ ack before they count as handled); `commit()` commits what `poll()` returned.
+    """
+
+    def __init__(self, config: KafkaConfig, *, group_id: str,
+                 types: Mapping[str, type[BaseModel]], dlq: EventProducer | None,
+                 name: str | None = None, auto_offset_reset: str = "earliest",
+                 max_poll_records: int = 500) -> None:
+        self.config = config
+        self.types = dict(types)
+        self.name = name or group_id
+        self._dlq = dlq
+        self._consumer = KafkaConsumer(
+            *self.types, bootstrap_servers=config.bootstrap, group_id=group_id,
+            enable_auto_commit=False, auto_offset_reset=auto_offset_reset,
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=config.heartbeat_interval_ms,
+            request_timeout_ms=max(config.request_timeout_ms, config.session_timeout_ms + 5000),
+            max_poll_records=max_poll_records)
+        self.dead_letters = 0
+
+    def poll(self, timeout_ms: int = 1000) -> list[Delivered[Any]]:
+        batches = self._consumer.poll(timeout_ms=timeout_ms)
+        out: list[Delivered[Any]] = []
+        pending = []
+        for tp, records in batches.items():
+            event_type = self.types[tp.topic]
+            for rec in records:
+                try:
+                    event = decode(event_type, rec.value or b"")
+                except EventDecodeError as exc:
+                    pending.append(self._dead_letter(tp.topic, rec, str(exc)))
+                    continue
+                out.append(Delivered(tp.topic, tp.partition, rec.offset, rec.key, event))
+        for future in pending:
+            future.get(timeout=self.config.delivery_timeout_ms / 1000)
+        return out
+
+    def _dead_letter(self, topic: str, rec: Any, reason: str) -> Any:
+        if self._dlq is None:
+            raise EventDecodeError(f"{topic}@{rec.partition}:{rec.offset}: {reason}")
+        self.dead_letters += 1
+        log.warning("dlq %s@%d:%d %s", topic, rec.partition, rec.offset, reason)
+        letter = DeadLetter.of(topic=topic, partition=rec.partition, offset=rec.offset,
+                               key=rec.key, raw=rec.value or b"", reason=reason,
+                               consumer=self.name)
+        return self._dlq.send(self.config.topics.dlq, rec.key, letter)
+
+    def commit(self) -> None:
+        self._consumer.commit()
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
+             timeout_s: float = 60.0) -> list[E]:
+    """Read a topic from the beginning up to its current end offsets, without a group."""
+    import time
+
+    from kafka import TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap, enable_auto_commit=False,
+                             group_id=None, request_timeout_ms=config.request_timeout_ms)
+    try:
+        tps = [TopicPartition(topic, p)
+               for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        events: list[E] = []
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: did not reach end offsets in {timeout_s:.0f}s")
+            for records in consumer.poll(timeout_ms=200).values():
+                events.extend(decode(event_type, r.value) for r in records)
+        return events
+    finally:
+        consumer.close()

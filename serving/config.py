@@ -1,0 +1,18 @@
+"""Engine configuration owned by `serving` (composed into `app.settings.Settings`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class EngineSettings(BaseModel):
+    """The inference engine: backend, limits and defaults."""
+
+    backend: Literal["torch", "vllm"] = "torch"
+    max_batch: int = Field(default=32, ge=1, le=1024)
+    max_new_tokens_cap: int = Field(default=512, ge=1)
+    default_max_tokens: int = Field(default=64, ge=1)
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+    seed: int = 0

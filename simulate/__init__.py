@@ -1,0 +1,1 @@
+"""Verifiable tasks, sandboxed execution, the multi-turn tool harness, rewards, group rollouts."""

@@ -1,0 +1,1 @@
+"""Policy logprobs, GRPO and online losses, training loops, lossless deltas, releases."""

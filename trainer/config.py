@@ -1,0 +1,32 @@
+"""Model configuration owned by `trainer` (composed into `app.settings.Settings`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class TinyMoeSettings(BaseModel):
+    """The default tiny Qwen3-MoE that `flywheel init-model` builds.
+
+    Any local Hugging Face causal-LM directory can replace it (`FLYWHEEL_MODEL_DIR`).
+    """
+
+    vocab_size: int = Field(default=2048, ge=512)
+    hidden_size: int = Field(default=128, ge=32)
+    num_layers: int = Field(default=4, ge=1)
+    num_heads: int = Field(default=4, ge=1)
+    num_kv_heads: int = Field(default=2, ge=1)
+    head_dim: int = Field(default=32, ge=8)
+    num_experts: int = Field(default=8, ge=8)
+    experts_per_token: int = Field(default=2, ge=2)
+    moe_intermediate_size: int = Field(default=128, ge=8)
+    max_position_embeddings: int = Field(default=2048, ge=128)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> TinyMoeSettings:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.num_heads must be a multiple of model.num_kv_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("model.experts_per_token cannot exceed model.num_experts")
+        return self
