@@ -1,0 +1,70 @@
+"""Settings: profiles, bounds that name the field, and a snapshot of the public keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "settings_keys.json"
+
+
+def keys(schema: dict, defs: dict, prefix: str = "") -> list[str]:
+    out = []
+    for name, prop in schema.get("properties", {}).items():
+        ref = prop.get("$ref") or next((a.get("$ref") for a in prop.get("anyOf", [])
+                                        if "$ref" in a), None)
+        if ref:
+            out += keys(defs[ref.split("/")[-1]], defs, f"{prefix}{name}__")
+        else:
+            out.append(f"FLYWHEEL_{prefix}{name}".upper())
+    return sorted(out)
+
+
+def current_keys() -> list[str]:
+    schema = Settings.model_json_schema()
+    return keys(schema, schema.get("$defs", {}))
+
+
+def test_embedded_is_the_default_and_needs_nothing(tmp_path: Path) -> None:
+    s = Settings(data_dir=tmp_path)
+    assert s.profile == "embedded"
+    assert s.resolved_database_url.startswith("sqlite:///")
+    assert s.kafka_config("127.0.0.1:1").session_timeout_ms == 6000
+
+
+def test_production_requires_kafka_and_postgres() -> None:
+    with pytest.raises(ValidationError, match="FLYWHEEL_KAFKA_BOOTSTRAP"):
+        Settings(profile="production")
+    s = Settings(profile="production", kafka_bootstrap="k:9092",
+                 database_url="postgresql+psycopg://db/flywheel")
+    assert s.kafka_config("k:9092").session_timeout_ms == 45000
+
+
+def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", "broker:9092")
+    monkeypatch.setenv("FLYWHEEL_ENGINE__MAX_BATCH", "7")
+    s = Settings()
+    assert s.kafka_bootstrap == "broker:9092"
+    assert s.engine.max_batch == 7
+
+
+def test_bad_values_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="max_batch"):
+        Settings(engine={"max_batch": 0})
+    with pytest.raises(ValidationError, match="num_kv_heads"):
+        Settings(model={"num_heads": 4, "num_kv_heads": 3})
+
+
+def test_settings_keys_snapshot() -> None:
+    """Public configuration changes on purpose: `python -m tests.app.test_settings`."""
+    assert json.loads(SNAPSHOT.read_text()) == current_keys()
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current_keys(), indent=1) + "\n")
+    print(f"wrote {SNAPSHOT}")

@@ -1,0 +1,75 @@
+"""Shared fixtures: a real Tansu broker, a real tiny model, a running stack.
+
+Fixtures start what they need on free ports in temp dirs and stop it by the PID they hold.
+Services that the production profile uses (PostgreSQL, Redis) are probed; their tests skip
+with a reason when absent, and fail instead when CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+from ingest.broker import EmbeddedBroker
+from ingest.config import KafkaConfig
+from ingest.log import ensure_topics
+
+
+def service_reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skip when a production service is absent, but fail in CI, where it must exist."""
+    if service_reachable(host, port):
+        return
+    message = f"{name} not reachable at {host}:{port}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message} (CI=true: production-profile tests must run)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    log = tmp_path_factory.mktemp("broker") / "broker.log"
+    b = EmbeddedBroker.start(log_path=log)
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def kafka(broker: EmbeddedBroker) -> KafkaConfig:
+    """A KafkaConfig on the shared broker with fresh, test-private topic names."""
+    suffix = uuid.uuid4().hex[:8]
+    settings = Settings()
+    topics = settings.topics.model_copy(update={
+        name: f"{getattr(settings.topics, name)}-{suffix}"
+        for name in ("sessions", "feedback", "experiences", "releases", "rollouts", "dlq")})
+    config = Settings(topics=topics).kafka_config(broker.bootstrap)
+    ensure_topics(config)
+    return config
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny Qwen3-MoE + tokenizer, built once per test session."""
+    from trainer.init_model import init_model
+
+    return init_model(Settings().model, tmp_path_factory.mktemp("model") / "base")
+
+
+@pytest.fixture
+def settings(tmp_path: Path, kafka: KafkaConfig, model_dir: Path) -> Settings:
+    """Embedded-profile settings on the shared broker, private topics and data dir."""
+    return Settings(data_dir=tmp_path / "data", kafka_bootstrap=kafka.bootstrap,
+                    topics=kafka.topics, model_dir=model_dir, port=0)

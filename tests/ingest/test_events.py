@@ -1,0 +1,119 @@
+"""Wire types: packed arrays round-trip exactly, invariants hold, the schema changes on purpose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ingest.events import (
+    DeadLetter,
+    EventDecodeError,
+    FeedbackReceived,
+    GenerationLogged,
+    PackedArray,
+    SamplingParams,
+    decode,
+    encode,
+)
+
+SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "event_schemas.json"
+
+
+def generation(**overrides: object) -> GenerationLogged:
+    fields: dict[str, object] = dict(
+        generation_id="gen-1", request_id="gen-1", model_version=3, model_sha256="ab" * 32,
+        prompt_token_ids=PackedArray.pack([5, 6, 7], "int32"),
+        completion_token_ids=PackedArray.pack([8, 9], "int32"),
+        logprobs=PackedArray.pack([-0.25, -1.5], "float32"),
+        routed_experts=PackedArray.pack(np.arange(4 * 2 * 2).reshape(4, 2, 2), "int16"),
+        sampling=SamplingParams(temperature=0.7, max_tokens=2), finish_reason="length",
+        latency_ms=12.5)
+    fields.update(overrides)
+    return GenerationLogged(**fields)  # type: ignore[arg-type]
+
+
+def test_packed_array_round_trips_bits_exactly() -> None:
+    values = np.array([-0.0, 1e-38, -3.4e38, np.inf, 0.1], dtype=np.float32)
+    back = PackedArray.pack(values, "float32").unpack()
+    assert back.tobytes() == values.tobytes()
+    grid = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    assert np.array_equal(PackedArray.pack(grid, "int16").unpack(), grid)
+
+
+def test_packed_array_is_not_a_json_float_list() -> None:
+    raw = json.loads(encode(generation()))
+    assert isinstance(raw["logprobs"]["data"], str)
+    assert raw["logprobs"] == {"dtype": "float32", "shape": [2], "data": raw["logprobs"]["data"]}
+
+
+def test_generation_round_trip() -> None:
+    event = generation()
+    back = decode(GenerationLogged, encode(event))
+    assert back == event
+    assert back.logprobs.tolist() == [-0.25, -1.5]
+
+
+def test_packed_size_must_match_shape() -> None:
+    good = PackedArray.pack([1, 2, 3], "int32")
+    with pytest.raises(ValueError, match="needs 16 bytes"):
+        PackedArray(dtype="int32", shape=(4,), data=good.data)
+
+
+def test_logprobs_must_align_with_tokens() -> None:
+    with pytest.raises(ValueError, match="logprobs has 1 entries for 2 tokens"):
+        generation(logprobs=PackedArray.pack([-1.0], "float32"))
+
+
+def test_routes_cover_every_position_fed_to_the_model() -> None:
+    with pytest.raises(ValueError, match=r"needs \(4, layers, top_k\)"):
+        generation(routed_experts=PackedArray.pack(np.zeros((5, 2, 2)), "int16"))
+
+
+def test_feedback_edit_kept_needs_fraction() -> None:
+    with pytest.raises(ValueError, match="kept fraction"):
+        FeedbackReceived(event_id="e", generation_id="g", kind="edit_kept")
+    ok = FeedbackReceived(event_id="e", generation_id="g", kind="edit_kept", value=0.4)
+    assert decode(FeedbackReceived, encode(ok)) == ok
+
+
+def test_decode_error_names_the_field() -> None:
+    with pytest.raises(EventDecodeError, match="kind"):
+        decode(FeedbackReceived, b'{"event_id": "e", "generation_id": "g", "kind": "meh"}')
+    with pytest.raises(EventDecodeError):
+        decode(FeedbackReceived, b"\x00not json")
+
+
+def test_unknown_schema_version_is_rejected() -> None:
+    raw = json.loads(encode(generation()))
+    raw["schema_version"] = 99
+    with pytest.raises(EventDecodeError, match="schema_version"):
+        decode(GenerationLogged, json.dumps(raw).encode())
+
+
+def test_dead_letter_keeps_raw_bytes() -> None:
+    letter = DeadLetter.of(topic="feedback", raw=b"\xff\x00", key=b"k", reason="bad",
+                           consumer="join", partition=1, offset=7)
+    assert decode(DeadLetter, encode(letter)).raw() == b"\xff\x00"
+
+
+def current_schemas() -> dict[str, object]:
+    from ingest import events
+
+    names = sorted(n for n in dir(events) if n in {
+        "GenerationLogged", "FeedbackReceived", "DeadLetter", "ExperienceReady",
+        "ReleasePublished", "RolloutGroup"})
+    return {name: getattr(events, name).model_json_schema() for name in names}
+
+
+def test_schema_snapshot() -> None:
+    """Wire schemas change on purpose: regenerate with `python -m tests.ingest.test_events`."""
+    assert SNAPSHOT.exists(), "run `python -m tests.ingest.test_events` to write the snapshot"
+    assert json.loads(SNAPSHOT.read_text()) == current_schemas()
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current_schemas(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {SNAPSHOT}")
