@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/flywheel demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
