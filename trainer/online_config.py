@@ -1,0 +1,73 @@
+"""Configuration of the online trainer (`flywheel train-online`), composed into `Settings`.
+
+The baseline is a choice between variants, so it is a discriminated union on `kind`:
+`batch_mean` (leave-one-out mean of the batch's rewards) or `bucket_mean` (a running mean per
+context bucket, the prompt by default, carried across batches and checkpointed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class BatchMeanBaseline(BaseModel):
+    """b_i = mean of the other rewards in the batch (leave-one-out: unbiased)."""
+
+    kind: Literal["batch_mean"] = "batch_mean"
+
+
+class BucketMeanBaseline(BaseModel):
+    """b_i = running mean reward of the context bucket of row i (before this batch).
+
+    The bucket is a hash of the prompt tokens modulo `buckets`; a bucket never seen yet uses
+    the running mean over all buckets. `decay` floors the step size of the running mean
+    (exact mean for the first 1/decay rewards, then an exponential moving average).
+    """
+
+    kind: Literal["bucket_mean"] = "bucket_mean"
+    buckets: int = Field(default=4096, ge=1)
+    decay: float = Field(default=0.05, gt=0.0, le=1.0)
+
+
+BaselineSettings = Annotated[BatchMeanBaseline | BucketMeanBaseline, Field(discriminator="kind")]
+
+
+class OnlineTrainerSettings(BaseModel):
+    """`flywheel train-online`: batches, objective, checkpoints, release cadence."""
+
+    group_id: str = Field(default="flywheel-trainer", min_length=1)
+    checkpoint_dir: Path | None = None  # None: <data_dir>/trainer
+    min_batch: int = Field(default=16, ge=1, description="train only on this many or more")
+    max_batch: int = Field(default=32, ge=1)
+    lr: float = Field(default=3e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    is_cap: float = Field(default=2.0, ge=1.0, description="truncated importance weight cap")
+    kl_coef: float = Field(default=0.02, ge=0.0, description="KL anchor to the served release")
+    normalize_advantages: bool = False
+    router_replay: bool = True
+    baseline: BaselineSettings = BucketMeanBaseline()
+    checkpoint_every_steps: int = Field(default=1, ge=1)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    release_interval_s: float = Field(default=3 * 3600.0, gt=0.0)
+    poll_timeout_ms: int = Field(default=200, ge=1)
+    control_every_s: float = Field(default=1.0, gt=0.0)
+    # Deterministic mode: 1 thread, torch.use_deterministic_algorithms, fixed seed. Two runs
+    # fed the same batches end bit-identical (the chaos test relies on it).
+    deterministic: bool = False
+    threads: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    # Stop after this many trained experiences (tests, demos); None runs until told to stop.
+    stop_after: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _batch_bounds(self) -> OnlineTrainerSettings:
+        if self.max_batch < self.min_batch:
+            raise ValueError("online.max_batch must be >= online.min_batch")
+        return self
+
+    def resolved_checkpoint_dir(self, data_dir: Path) -> Path:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else data_dir / "trainer"
