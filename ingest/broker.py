@@ -45,10 +45,13 @@ def wait_until_answering(bootstrap: str, timeout_s: float = 20.0) -> None:
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
+            # A plain TCP probe first: the Kafka client blocks for seconds on a dead port.
+            socket.create_connection((host, int(port)), timeout=1.0).close()
             admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
             admin.list_topics()
             admin.close()
