@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.grpo import importance_weights, kl_k3
+from trainer.grpo import masked_mean as grpo_masked_mean
+
 
 def leave_one_out_baseline(rewards: torch.Tensor) -> torch.Tensor:
     """b_i = mean of the other rows' rewards. (B,) -> (B,); B == 1 gives 0."""
@@ -48,20 +51,16 @@ def advantages(rewards: torch.Tensor, baselines: torch.Tensor, *, normalize: boo
 
 def truncated_is_weights(logp: torch.Tensor, behavior_logp: torch.Tensor, cap: float
                          ) -> torch.Tensor:
-    """w = min(pi / mu, cap) per token, no gradient. (B, T), (B, T) -> (B, T)."""
-    return torch.exp(logp.detach() - behavior_logp).clamp(max=cap)
+    """w = min(pi / mu, cap) per token, no gradient. (B, T), (B, T) -> (B, T).
 
-
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate on tokens sampled from pi. (B, T) -> (B, T), >= 0."""
-    delta = ref_logp - logp
-    return torch.exp(delta) - delta - 1.0
+    One update per batch, so the GRPO "old" policy is the current one (trainer/grpo.py).
+    """
+    return importance_weights(logp.detach(), behavior_logp, cap=cap)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the positions where mask is true. (B, T), (B, T) bool -> ()."""
-    weights = mask.to(values.dtype)
-    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+    """Token mean over the positions where mask is true. (B, T), (B, T) -> ()."""
+    return grpo_masked_mean(values, mask, "token")
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def online_loss(logp: torch.Tensor, behavior_logp: torch.Tensor, ref_logp: torch
     """
     weights = truncated_is_weights(logp, behavior_logp, is_cap)  # (B, T)
     policy = -(weights * adv[:, None] * logp)  # (B, T)
-    kl = k3_kl(logp, ref_logp.detach())  # (B, T)
+    kl = kl_k3(logp, ref_logp.detach())  # (B, T)
     loss = masked_mean(policy + kl_coef * kl, mask)
     raw = torch.exp(logp.detach() - behavior_logp)
     return OnlineLoss(loss=loss, policy=masked_mean(policy.detach(), mask),

@@ -9,7 +9,7 @@ import torch
 
 from trainer.online_loss import (
     advantages,
-    k3_kl,
+    kl_k3,
     leave_one_out_baseline,
     masked_mean,
     online_loss,
@@ -50,9 +50,9 @@ def test_importance_weights_are_truncated_and_detached() -> None:
     assert not w.requires_grad
 
 
-def test_k3_kl_by_hand() -> None:
+def test_kl_k3_by_hand() -> None:
     # delta = ln .25 - ln .5 = -ln 2: exp(delta) - delta - 1 = 0.5 + ln 2 - 1
-    kl = k3_kl(torch.tensor([[LN(0.5), LN(0.3)]]), torch.tensor([[LN(0.25), LN(0.3)]]))
+    kl = kl_k3(torch.tensor([[LN(0.5), LN(0.3)]]), torch.tensor([[LN(0.25), LN(0.3)]]))
     assert kl.tolist()[0] == pytest.approx([0.5 + LN(2) - 1, 0.0], abs=1e-7)
 
 
