@@ -1,0 +1,193 @@
+"""Crash-safe checkpoints of the online trainer: weights, optimizer, offsets, ledger, together.
+
+A checkpoint is one directory written whole before anything points at it:
+
+    <root>/ckpt-00000042/{weights.pt, optimizer.pt, state.json, ledger.jsonl}
+    <root>/LATEST                    -> "ckpt-00000042"
+    <root>/refs/<sha256>.pt          the KL reference weights, content-addressed
+
+`save` writes into `<root>/.tmp-…`, fsyncs every file and the directory, renames it to its
+final name, then replaces `LATEST` (write, fsync, rename, fsync the root). The rename of
+`LATEST` is the commit point: a kill before it leaves the previous checkpoint in force, a kill
+after it leaves the new one; nothing in between is ever read. Kafka offsets are committed only
+after `save` returns, and the checkpoint holds the offsets, so on restart the consumer seeks
+to them and the ledger (every experience and feedback event id trained, by step) skips any
+record that was trained already.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+POINTER = "LATEST"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read back (the message names the file)."""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What one optimizer step trained, in batch order."""
+
+    step: int
+    experience_ids: list[str]
+    generation_ids: list[str]
+    feedback_event_ids: list[str]
+
+
+@dataclass
+class Ledger:
+    """Every experience trained so far, by step; answers "was this trained already?"."""
+
+    entries: list[LedgerEntry] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        for entry in self.entries:
+            self._seen.update(entry.experience_ids, entry.feedback_event_ids)
+
+    def contains(self, experience_id: str, feedback_event_ids: Iterable[str] = ()) -> bool:
+        return experience_id in self._seen or any(e in self._seen for e in feedback_event_ids)
+
+    def record(self, entry: LedgerEntry) -> None:
+        self.entries.append(entry)
+        self._seen.update(entry.experience_ids, entry.feedback_event_ids)
+
+    def between(self, first_step: int, last_step: int) -> list[LedgerEntry]:
+        return [e for e in self.entries if first_step <= e.step <= last_step]
+
+    @property
+    def trained(self) -> int:
+        return sum(len(e.experience_ids) for e in self.entries)
+
+    def dumps(self) -> str:
+        return "".join(json.dumps(asdict(e)) + "\n" for e in self.entries)
+
+    @classmethod
+    def loads(cls, text: str) -> Ledger:
+        return cls([LedgerEntry(**json.loads(line)) for line in text.splitlines() if line])
+
+
+@dataclass
+class Checkpoint:
+    """What `CheckpointStore.load` returns: everything needed to resume bit for bit."""
+
+    name: str
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    state: dict[str, Any]
+    ledger: Ledger
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_save_durable(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointStore:
+    """Atomic checkpoints under one root directory (module docstring)."""
+
+    def __init__(self, root: Path, *, keep: int = 2) -> None:
+        self.root = root
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "refs").mkdir(exist_ok=True)
+
+    def latest_name(self) -> str | None:
+        pointer = self.root / POINTER
+        if not pointer.exists():
+            return None
+        return pointer.read_text().strip() or None
+
+    def save(self, *, sequence: int, weights: Mapping[str, torch.Tensor],
+             optimizer: Mapping[str, Any], state: Mapping[str, Any], ledger: Ledger) -> str:
+        """Write checkpoint number `sequence` and make it the latest; returns its name."""
+        name = f"ckpt-{sequence:08d}"
+        tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        _torch_save_durable(dict(weights), tmp / "weights.pt")
+        _torch_save_durable(dict(optimizer), tmp / "optimizer.pt")
+        _write_durable(tmp / "state.json", json.dumps(state, sort_keys=True).encode())
+        _write_durable(tmp / "ledger.jsonl", ledger.dumps().encode())
+        _fsync_path(tmp)
+        final = self.root / name
+        if final.exists():  # left by a kill between its rename and the pointer: never live
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(self.root)
+        self._point_to(name)
+        self._collect_garbage(keep_name=name)
+        return name
+
+    def _point_to(self, name: str) -> None:
+        tmp = self.root / f".{POINTER}.tmp"
+        _write_durable(tmp, name.encode())
+        os.replace(tmp, self.root / POINTER)
+        _fsync_path(self.root)  # the commit point
+
+    def _collect_garbage(self, *, keep_name: str) -> None:
+        ckpts = sorted(p.name for p in self.root.glob("ckpt-*"))
+        keep = set(ckpts[-self.keep:]) | {keep_name}
+        for stale in [c for c in ckpts if c not in keep]:
+            shutil.rmtree(self.root / stale, ignore_errors=True)
+        for tmp in self.root.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self) -> Checkpoint | None:
+        """The latest durable checkpoint, or None when there is none yet."""
+        name = self.latest_name()
+        if name is None:
+            return None
+        path = self.root / name
+        try:
+            weights = torch.load(path / "weights.pt", weights_only=True)
+            optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+            state = json.loads((path / "state.json").read_text())
+            ledger = Ledger.loads((path / "ledger.jsonl").read_text())
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
+        return Checkpoint(name=name, weights=weights, optimizer=optimizer, state=state,
+                          ledger=ledger)
+
+    # The KL reference (the served release's weights): written once per release, by sha256.
+    def save_reference(self, sha256: str, weights: Mapping[str, torch.Tensor]) -> Path:
+        path = self.root / "refs" / f"{sha256}.pt"
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+            _torch_save_durable(dict(weights), tmp)
+            os.rename(tmp, path)
+            _fsync_path(path.parent)
+        return path
+
+    def load_reference(self, sha256: str) -> dict[str, torch.Tensor]:
+        path = self.root / "refs" / f"{sha256}.pt"
+        if not path.exists():
+            raise CheckpointError(f"reference weights {path} are missing")
+        return torch.load(path, weights_only=True)
