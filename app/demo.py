@@ -1,19 +1,22 @@
 """`flywheel demo`: start the stack, use it like a product would, show what reached Kafka.
 
-Sends chat completions over HTTP, attaches feedback to each generation, reads both topics back
-from the broker, checks that every generation and feedback event arrived, and ends with one
+Sends chat completions over HTTP, attaches signed feedback to each generation, reads both topics
+back from the broker, checks that every generation and feedback event arrived, and ends with one
 JSON line: {"completions": …, "sessions_logged": …, "feedback_logged": …}.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 
 import httpx
+from pydantic import SecretStr
 
 from app.settings import Settings
+from app.signing import SIGNATURE_HEADER, sign
 from app.stack import running_stack
 from ingest.events import FeedbackReceived, GenerationLogged
 from ingest.log import read_all
@@ -31,6 +34,10 @@ KINDS = ["accept", "reject", "thumbs_up", "edit_kept"]
 
 def run_demo(settings: Settings, *, completions: int = 4) -> int:
     started = time.perf_counter()
+    if not settings.feedback_secrets:  # sign like a product would, with a one-off secret
+        settings = settings.model_copy(update={"feedback_secrets": [
+            SecretStr(secrets.token_hex(16))]})
+    secret = settings.feedback_secrets[0].get_secret_value()
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url,
                                                         timeout=120) as http:
         print(f"stack up at {stack.base_url} (kafka {stack.kafka.bootstrap})")
@@ -47,9 +54,12 @@ def run_demo(settings: Settings, *, completions: int = 4) -> int:
                   f"{body['choices'][0]['message']['content']!r}")
         for i, generation_id in enumerate(generation_ids):
             kind = KINDS[i % len(KINDS)]
-            reply = http.post("/v1/feedback", json={
+            body = json.dumps({
                 "event_id": f"evt-{uuid.uuid4().hex}", "generation_id": generation_id,
-                "kind": kind, "value": 0.5 if kind == "edit_kept" else None})
+                "kind": kind, "value": 0.5 if kind == "edit_kept" else None}).encode()
+            reply = http.post("/v1/feedback", content=body, headers={
+                "content-type": "application/json",
+                SIGNATURE_HEADER: sign(secret, None, body)})
             reply.raise_for_status()
         sessions = read_all(stack.kafka, stack.kafka.topics.sessions, GenerationLogged)
         feedback = read_all(stack.kafka, stack.kafka.topics.feedback, FeedbackReceived)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine as DbEngine
 
+from app.feedback_intake import FeedbackIntake
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.log import EventProducer
@@ -30,3 +31,4 @@ class Services:
     tokenizer: object
     started_at: float = field(default_factory=time.monotonic)
     counters: Counters = field(default_factory=Counters)
+    feedback: FeedbackIntake | None = None  # built on first use when absent (tests)

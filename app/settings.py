@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ingest.config import KafkaClientSettings, KafkaConfig, TopicSettings
+from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
 from trainer.config import TinyMoeSettings
 
@@ -46,11 +46,17 @@ class Settings(BaseSettings):
 
     admin_token: SecretStr = SecretStr("flywheel-admin")
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    # Feedback webhook (app/signing.py): HMAC secrets, several while rotating, JSON list in
+    # FLYWHEEL_FEEDBACK_SECRETS. Empty accepts unsigned webhooks (local use; warned at start).
+    feedback_secrets: list[SecretStr] = Field(default_factory=list)
+    feedback_tolerance_s: int = Field(default=300, ge=1, le=86_400)
+    feedback_batch_max: int = Field(default=1000, ge=1, le=10_000)
 
     topics: TopicSettings = TopicSettings()
     kafka: KafkaClientSettings = KafkaClientSettings()
     engine: EngineSettings = EngineSettings()
     model: TinyMoeSettings = TinyMoeSettings()
+    join: JoinSettings = JoinSettings()
 
     @model_validator(mode="after")
     def _production_needs_services(self) -> Settings:
@@ -70,6 +76,10 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
+
+    @property
+    def resolved_join_database_url(self) -> str:
+        return self.join.database_url or f"sqlite:///{(self.data_dir / 'join.db').resolve()}"
 
     @property
     def resolved_celery_broker_url(self) -> str:

@@ -46,3 +46,30 @@ class KafkaConfig(BaseModel):
     request_timeout_ms: int = Field(default=15_000, ge=1000)
     delivery_timeout_ms: int = Field(default=30_000, ge=1000)
     linger_ms: int = Field(default=5, ge=0)
+
+
+class RewardMap(BaseModel):
+    """Feedback kind -> scalar reward. `edit_kept` pays `edit_kept_scale` x the kept fraction
+    plus `edit_kept_offset` (defaults: the fraction itself)."""
+
+    accept: float = 1.0
+    reject: float = -1.0
+    thumbs_up: float = 1.0
+    thumbs_down: float = -1.0
+    copied: float = 0.5
+    regenerated: float = -0.5
+    followup_dissatisfied: float = -0.5
+    edit_kept_scale: float = 1.0
+    edit_kept_offset: float = 0.0
+
+
+class JoinSettings(BaseModel):
+    """The sessions x feedback join (`flywheel join`, ingest/join.py)."""
+
+    group_id: str = Field(default="flywheel-join", min_length=1)
+    database_url: str | None = None  # None: SQLite `join.db` under the data dir
+    expire_after_s: float = Field(default=6 * 3600, gt=0)
+    sweep_every_s: float = Field(default=5.0, gt=0)
+    max_poll_records: int = Field(default=1000, ge=1, le=100_000)
+    poll_timeout_ms: int = Field(default=200, ge=1)
+    rewards: RewardMap = RewardMap()

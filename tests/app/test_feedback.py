@@ -1,0 +1,147 @@
+"""Feedback webhooks over HTTP on the real broker, the real SQL ledger and the real app.
+
+Signed events reach `feedback` exactly once whatever the duplicates; unsigned, forged or stale
+requests are 401, malformed ones 422 naming the field, oversized ones 413, and none of those
+reach Kafka.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from app.signing import SIGNATURE_HEADER, sign
+from app.stack import RunningStack, running_stack
+from ingest.broker import EmbeddedBroker
+from ingest.events import FeedbackReceived
+from ingest.log import ensure_topics, read_all
+
+SECRETS = ["new-secret", "old-secret"]
+
+
+@pytest.fixture(scope="module")
+def stack(broker: EmbeddedBroker, model_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    suffix = uuid.uuid4().hex[:8]
+    topics = Settings().topics.model_copy(update={"feedback": f"feedback-{suffix}",
+                                                  "sessions": f"sessions-{suffix}"})
+    settings = Settings(data_dir=tmp_path_factory.mktemp("feedback"), port=0,
+                        kafka_bootstrap=broker.bootstrap, topics=topics, model_dir=model_dir,
+                        feedback_secrets=SECRETS, feedback_batch_max=50,
+                        max_body_bytes=64 * 1024)
+    ensure_topics(settings.kafka_config(broker.bootstrap))
+    with running_stack(settings) as running:
+        yield running
+
+
+@pytest.fixture
+def http(stack: RunningStack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.base_url, timeout=30) as client:
+        yield client
+
+
+def post(http: httpx.Client, path: str, payload: object, *, secret: str = "new-secret",
+         ts: int | None = None) -> httpx.Response:
+    body = json.dumps(payload).encode()
+    return http.post(path, content=body, headers={
+        "content-type": "application/json", SIGNATURE_HEADER: sign(secret, ts, body)})
+
+
+def event(kind: str = "accept", **fields: object) -> dict[str, object]:
+    return {"event_id": f"e-{uuid.uuid4().hex}", "generation_id": f"g-{uuid.uuid4().hex}",
+            "kind": kind, **fields}
+
+
+def produced(stack: RunningStack) -> list[FeedbackReceived]:
+    return read_all(stack.kafka, stack.kafka.topics.feedback, FeedbackReceived)
+
+
+def produced_ids(stack: RunningStack, ids: set[str]) -> list[str]:
+    return [f.event_id for f in produced(stack) if f.event_id in ids]
+
+
+def test_signed_event_is_produced_once(stack: RunningStack, http: httpx.Client) -> None:
+    e = event("edit_kept", value=0.25, source="editor")
+    first = post(http, "/v1/feedback", e)
+    again = post(http, "/v1/feedback", e, secret="old-secret")  # rotation: both verify
+    assert (first.status_code, again.status_code) == (202, 202), first.text
+    assert (first.json()["duplicate"], again.json()["duplicate"]) == (False, True)
+    [logged] = [f for f in produced(stack) if f.event_id == e["event_id"]]
+    assert (logged.generation_id, logged.kind, logged.value, logged.source) == (
+        e["generation_id"], "edit_kept", 0.25, "editor")
+
+
+def test_batch_flags_duplicates_within_and_across_requests(stack: RunningStack,
+                                                           http: httpx.Client) -> None:
+    seen = event("thumbs_up")
+    assert post(http, "/v1/feedback", seen).status_code == 202
+    fresh = [event("reject"), event("thumbs_down")]
+    batch = [seen, fresh[0], fresh[1], fresh[0]]
+    r = post(http, "/v1/feedback/batch", {"events": batch})
+    assert r.status_code == 202, r.text
+    assert (r.json()["accepted"], r.json()["duplicates"]) == (2, 2)
+    assert [x["duplicate"] for x in r.json()["results"]] == [True, False, False, True]
+    ids = {e["event_id"] for e in [seen, *fresh]}
+    assert sorted(produced_ids(stack, ids)) == sorted(ids)  # type: ignore[type-var]
+
+
+def bad_header(case: str, body: bytes) -> dict[str, str]:
+    if case == "unsigned":
+        return {}
+    if case == "forged":
+        return {SIGNATURE_HEADER: sign("new-secret", None, body + b" ")}
+    if case == "stale":
+        return {SIGNATURE_HEADER: sign("new-secret", int(time.time()) - 3600, body)}
+    return {SIGNATURE_HEADER: sign("retired", None, body)}
+
+
+@pytest.mark.parametrize("case", ["unsigned", "forged", "stale", "retired secret"])
+def test_bad_signatures_are_401_and_never_produced(stack: RunningStack, http: httpx.Client,
+                                                   case: str) -> None:
+    e = event()
+    for path, body in (("/v1/feedback", json.dumps(e).encode()),
+                       ("/v1/feedback/batch", json.dumps({"events": [e]}).encode())):
+        r = http.post(path, content=body, headers=bad_header(case, body))
+        assert r.status_code == 401, r.text
+    assert produced_ids(stack, {str(e["event_id"])}) == []
+
+
+@pytest.mark.parametrize("path, payload, field", [
+    ("/v1/feedback", {"generation_id": "g", "kind": "accept"}, "event_id"),
+    ("/v1/feedback", {"event_id": "e", "generation_id": "g", "kind": "loved_it"}, "kind"),
+    ("/v1/feedback", {"event_id": "e", "generation_id": "g", "kind": "edit_kept"}, "value"),
+    ("/v1/feedback/batch", {"events": []}, "events"),
+    ("/v1/feedback/batch", {"events": [{"event_id": "e", "generation_id": "g",
+                                        "kind": "accept", "value": "much"}]}, "value"),
+])
+def test_malformed_is_422_naming_the_field(stack: RunningStack, http: httpx.Client, path: str,
+                                           payload: dict, field: str) -> None:
+    before = len(produced(stack))
+    r = post(http, path, payload)
+    assert r.status_code == 422, r.text
+    assert any(field in ".".join(map(str, d["loc"])) or field in d["msg"]
+               for d in r.json()["detail"]), r.text
+    assert len(produced(stack)) == before
+
+
+def test_malformed_json_is_422(http: httpx.Client) -> None:
+    body = b'{"event_id": "e",'
+    r = http.post("/v1/feedback", content=body, headers={SIGNATURE_HEADER: sign(
+        "new-secret", None, body)})
+    assert r.status_code == 422, r.text
+
+
+def test_oversized_is_413(stack: RunningStack, http: httpx.Client) -> None:
+    too_many = [event() for _ in range(51)]
+    r = post(http, "/v1/feedback/batch", {"events": too_many})
+    assert r.status_code == 413, r.text
+    huge = event(source="x" * 10, padding="y" * 70_000)
+    assert post(http, "/v1/feedback", huge).status_code == 413
+    assert produced_ids(stack, {str(e["event_id"]) for e in [*too_many, huge]}) == []

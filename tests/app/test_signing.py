@@ -1,0 +1,41 @@
+"""Webhook signatures: round trip, rotation, replay window, tampering."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.signing import SignatureError, parse_header, sign, signature, verify
+
+BODY = b'{"event_id":"e-1","generation_id":"g-1","kind":"accept"}'
+NOW = 1_700_000_000
+
+
+def test_sign_then_verify_round_trips() -> None:
+    header = sign("s3cret", NOW, BODY)
+    assert header == f"t={NOW},v1={signature('s3cret', NOW, BODY)}"
+    assert verify(header, BODY, ["s3cret"], tolerance_s=300, now=NOW + 10) == NOW
+
+
+def test_any_active_secret_and_any_v1_verifies() -> None:
+    old, new = "old-secret", "new-secret"
+    assert verify(sign(old, NOW, BODY), BODY, [new, old], tolerance_s=300, now=NOW)
+    both = sign(["retired", new], NOW, BODY)
+    assert parse_header(both)[1][1] == signature(new, NOW, BODY)
+    assert verify(both, BODY, [new], tolerance_s=300, now=NOW)
+
+
+@pytest.mark.parametrize("header, body, now, reason", [
+    (None, BODY, NOW, "missing"),
+    ("v1=abc", BODY, NOW, "no t="),
+    ("t=soon,v1=abc", BODY, NOW, "not an integer"),
+    (f"t={NOW}", BODY, NOW, "no v1="),
+    (sign("s3cret", NOW, BODY), BODY, NOW + 301, "replay window"),
+    (sign("s3cret", NOW, BODY), BODY, NOW - 301, "replay window"),
+    (sign("s3cret", NOW, BODY), BODY + b" ", NOW, "no signature matches"),
+    (sign("other", NOW, BODY), BODY, NOW, "no signature matches"),
+    (sign("s3cret", NOW, BODY).replace(f"t={NOW}", f"t={NOW + 1}"), BODY, NOW,
+     "no signature matches"),
+])
+def test_bad_signatures_say_why(header: str | None, body: bytes, now: int, reason: str) -> None:
+    with pytest.raises(SignatureError, match=reason):
+        verify(header, body, ["s3cret"], tolerance_s=300, now=now)
