@@ -1,0 +1,205 @@
+"""The batch-invariant switch: one call makes a transformers model's forward batch-invariant.
+
+Serving and the trainer call the same thing on the same Hugging Face model class and keep using
+HF's own forward (prefill, DynamicCache decode, full-sequence training):
+
+    enable_batch_invariant(model)          # or: with batch_invariant(model): ...
+    logits = model(input_ids=..., attention_mask=..., position_ids=...,
+                   past_key_values=cache, use_cache=True).logits
+    logprobs = token_logprobs(logits, tokens)   # kernels.bi_ops, for sampling and training alike
+
+What it swaps (instance-level forwards and transformers' own registries, so parameter names,
+state dicts and hooks are untouched; ``disable_batch_invariant`` restores everything):
+- every ``nn.Linear`` -> ``bi_linear``; every ``*RMSNorm`` -> ``bi_rms_norm``; SiLU modules ->
+  ``bi_silu``; top-k MoE routers -> the same routing with ``bi_linear`` logits;
+- attention -> ``bi_attention`` via ``AttentionInterface`` (and a never-skipped boolean mask);
+- MoE experts -> ``bi_experts_forward`` via ``ExpertsInterface``.
+Embedding lookups, RoPE (elementwise mul/cos/sin), residual adds and top-k are already exact.
+
+Devices: the kernels here are for CPU. On CUDA the switch would select Triton kernels, which are
+not written yet (``enable_batch_invariant`` raises there). The vLLM backend gets the same property
+from vLLM itself: start it with ``VLLM_BATCH_INVARIANT=1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.bi_attention import hf_attention_forward, hf_mask
+from kernels.bi_ops import ROW_TILE, bi_linear, bi_rms_norm, bi_silu, bi_softmax
+from kernels.moe_replay import is_topk_router
+
+IMPLEMENTATION = "flywheel_batch_invariant"  # name registered in transformers' interfaces
+_STATE_ATTR = "_flywheel_batch_invariant"
+
+
+@dataclass
+class _SwitchState:
+    """What ``enable_batch_invariant`` changed, so that ``disable_batch_invariant`` undoes it."""
+
+    attn_implementation: Any
+    experts_implementation: Any
+    patched: list[nn.Module] = field(default_factory=list)
+
+
+def _register() -> None:
+    """Register the attention, mask and experts functions with transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, hf_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, hf_mask)
+    ExpertsInterface.register(IMPLEMENTATION, bi_experts_forward)
+
+
+def bi_experts_forward(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts with fixed-shape GEMMs and a fixed summation order.
+
+    hidden (N, H), top_k_index (N, K), top_k_weights (N, K) -> (N, H). Each expert's tokens are
+    gathered into a segment padded to ROW_TILE rows (see ``bi_linear``); a token's output is the
+    sum of its experts' weighted outputs in ascending expert id, as in the eager loop.
+    """
+    if getattr(self, "is_transposed", False) or getattr(self, "has_bias", False):
+        raise NotImplementedError(f"{type(self).__name__}: transposed/biased experts")
+    n, k = top_k_index.shape
+    experts, slot = top_k_index.sort(dim=-1)  # (N, K): each token's experts ascending
+    weights = top_k_weights.gather(-1, slot)
+    flat = experts.reshape(-1)  # pair p = token * K + j
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=self.num_experts + 1)  # +1: "no expert" sentinel
+    padded = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE
+    seg_start = torch.cumsum(padded, 0) - padded
+    pair_start = torch.cumsum(counts, 0) - counts
+    grouped = flat[order]
+    dest = seg_start[grouped] + torch.arange(n * k, device=flat.device) - pair_start[grouped]
+    rows = int(padded.sum())
+    buf = hidden_states.new_zeros(rows, hidden_states.shape[1]).index_copy(
+        0, dest, hidden_states[order // k]
+    )  # (rows, H): expert segments, zero-padded
+    starts, sizes = seg_start.tolist(), padded.tolist()
+    live = [e for e in range(self.num_experts) if sizes[e]]
+    gate_up = torch.cat([F.linear(buf[starts[e]: starts[e] + sizes[e]], self.gate_up_proj[e])
+                         for e in live])  # (live rows, 2I)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = bi_silu(gate) * up
+    seg = 0
+    outs = []
+    for e in live:
+        outs.append(F.linear(act[seg: seg + sizes[e]], self.down_proj[e]))
+        seg += sizes[e]
+    down = torch.cat(outs)  # (live rows, H)
+    live_start = torch.zeros_like(seg_start)
+    live_start[live] = torch.cumsum(padded[live], 0) - padded[live]
+    real = grouped < self.num_experts  # expert-parallel sentinels carry no expert
+    pair_dest = torch.empty_like(dest)
+    pair_dest[order] = torch.where(real, live_start[grouped] + dest - seg_start[grouped], 0)
+    weights = weights.masked_fill(experts >= self.num_experts, 0.0)
+    contrib = down.index_select(0, pair_dest).view(n, k, -1) * weights[..., None]  # (N, K, H)
+    out = contrib[:, 0]
+    for j in range(1, k):  # fixed order: ascending expert id
+        out = out + contrib[:, j]
+    return out
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return bi_linear(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return bi_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _silu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return bi_silu(x)
+
+
+def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' top-k router with batch-invariant logits. -> logits, weights, indices."""
+    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = bi_linear(hidden_states, self.weight)  # (N, E)
+    probs = bi_softmax(logits, dim=-1)
+    top, indices = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral has no flag and always normalises
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), indices
+
+
+def _patch_for(module: nn.Module) -> Any:
+    """The batch-invariant forward for ``module``, or None when it is already invariant."""
+    name = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return _linear_forward
+    if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        return _rms_norm_forward
+    if isinstance(module, nn.SiLU) or name == "SiLUActivation":
+        return _silu_forward
+    if is_topk_router(module):
+        return _router_forward
+    return None
+
+
+def enable_batch_invariant(model: nn.Module) -> nn.Module:
+    """Make ``model``'s forward batch-invariant in place (idempotent); returns the model."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    if any(p.is_cuda for p in model.parameters()):
+        raise NotImplementedError(
+            "batch-invariant Triton kernels for CUDA are not written yet; "
+            "serve with vLLM and VLLM_BATCH_INVARIANT=1"
+        )
+    _register()
+    config: Any = model.config
+    state = _SwitchState(config._attn_implementation, config._experts_implementation)
+    for module in model.modules():
+        patch = _patch_for(module)
+        if patch is not None:
+            module.forward = MethodType(patch, module)  # type: ignore[method-assign]
+            state.patched.append(module)
+    config._attn_implementation = IMPLEMENTATION
+    config._experts_implementation = IMPLEMENTATION
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def disable_batch_invariant(model: nn.Module) -> nn.Module:
+    """Undo ``enable_batch_invariant``: stock forwards and implementations again."""
+    state: _SwitchState | None = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for module in state.patched:
+        del module.forward
+    config: Any = model.config
+    config._attn_implementation = state.attn_implementation
+    config._experts_implementation = state.experts_implementation
+    setattr(model, _STATE_ATTR, None)
+    return model
+
+
+def is_batch_invariant(model: nn.Module) -> bool:
+    """Whether ``enable_batch_invariant`` is in effect on ``model``."""
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+@contextmanager
+def batch_invariant(model: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
+    """``enable_batch_invariant`` for the duration of the block (no-op when not ``enabled``)."""
+    was_on = is_batch_invariant(model)
+    if enabled:
+        enable_batch_invariant(model)
+    try:
+        yield model
+    finally:
+        if enabled and not was_on:
+            disable_batch_invariant(model)

@@ -1,0 +1,113 @@
+"""Batch-invariant CPU ops: one row's result never depends on the other rows computed with it.
+
+Why the stock ops are not invariant on CPU (measured on AVX-512, torch 2.13, MKL):
+- ``F.linear`` picks a different GEMM kernel for small or ragged M (M = 1 is a GEMV; M in
+  5..11 hits edge kernels), so a token's projection changes with the batch size.
+- Vectorised ``sigmoid``/``silu``/``rsqrt`` differ in the last bit from the scalar loop ATen
+  runs on the tail of a tensor, so a value's result depends on where it sits in the tensor.
+  ``exp``, ``log``, ``sqrt``, ``sin``, ``cos`` agree bit for bit in both paths.
+
+The cures, each with a plain reference of the same signature (``*_reference``) for parity tests:
+- ``bi_linear`` pads M up to a multiple of ``ROW_TILE`` rows, so every GEMM call runs the same
+  full-tile kernel whose K blocking depends only on K, never on M or the thread count.
+- ``bi_silu`` and ``bi_rms_norm`` use only ops whose vector and scalar paths agree.
+- Row reductions over the last dim (mean, softmax, log-softmax) use ATen's row kernels on
+  contiguous rows: ATen splits such reductions across rows, never inside a row shorter than its
+  grain size (32768), so each row is reduced by the same code whatever the number of rows.
+tests/kernels/test_batch_invariant.py holds each claim (parity and bitwise invariance).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16  # GEMM calls always see M % ROW_TILE == 0 (full micro-tiles; see module doc)
+
+
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` whose rows are bitwise independent of how many rows are computed together."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    m = rows.shape[0]
+    padded = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+    if padded != m:
+        rows = F.pad(rows, (0, 0, 0, padded - m))
+    out = F.linear(rows, weight)[:m]  # (M, N)
+    if bias is not None:
+        out = out + bias  # a separate elementwise add: exact and position-independent
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Stock linear, the reference for ``bi_linear``."""
+    return F.linear(x, weight, bias)
+
+
+def bi_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU from exp and division (both exact in vector and scalar paths), not ATen's silu."""
+    return x / torch.exp(-x).add_(1.0)
+
+
+def silu_reference(x: torch.Tensor) -> torch.Tensor:
+    """Stock SiLU, the reference for ``bi_silu``."""
+    return F.silu(x)
+
+
+def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen/Llama RMSNorm with a per-row mean and ``1/sqrt`` instead of the vectorised rsqrt."""
+    xf = x.float().contiguous()
+    variance = xf.pow(2).mean(-1, keepdim=True)  # (..., 1), one row kernel per row
+    normed = xf / torch.sqrt(variance + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm forward, the reference for ``bi_rms_norm``."""
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
+    """Move ``dim`` last and make rows contiguous float32, so the row kernel sees one layout."""
+    moved = dim not in (-1, x.dim() - 1)
+    rows = x.movedim(dim, -1) if moved else x
+    return rows.float().contiguous(), moved
+
+
+def bi_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax in float32 over contiguous rows (ATen's per-row kernel: row-count invariant)."""
+    rows, moved = _as_rows(x, dim)
+    out = torch.softmax(rows, dim=-1)
+    return out.movedim(-1, dim) if moved else out
+
+
+def bi_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Log-softmax in float32 over contiguous rows (ATen's per-row kernel: row-count invariant)."""
+    rows, moved = _as_rows(x, dim)
+    out = torch.log_softmax(rows, dim=-1)
+    return out.movedim(-1, dim) if moved else out
+
+
+def softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Stock softmax, the reference for ``bi_softmax``."""
+    return torch.softmax(x.float(), dim=dim)
+
+
+def log_softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Stock log-softmax, the reference for ``bi_log_softmax``."""
+    return torch.log_softmax(x.float(), dim=dim)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``tokens`` under ``logits``; the one function engine and trainer share.
+
+    logits (..., V), tokens (...) int64 -> (...) float32. Row-count invariant, so the engine's
+    per-step value equals the trainer's full-sequence value when the logits are equal.
+    """
+    logp = bi_log_softmax(logits, dim=-1)  # (..., V)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

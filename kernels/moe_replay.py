@@ -1,0 +1,213 @@
+"""MoE router capture and replay: the trainer reuses the experts that inference chose.
+
+Serving records, for every token it feeds to the model, the top-k expert indices of every MoE
+layer: int16, (tokens, num_moe_layers, top_k). The trainer replays them: the indices come from
+the record, the gate weights are recomputed from the trainer's own router logits (softmax over
+all experts, gathered at the recorded indices, renormalised when the router normalises its
+top-k), so the router still receives gradient through the weights.
+
+Both work on transformers' top-k routers (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), modules whose
+forward maps hidden (N, H) to (logits (N, E), weights (N, K), indices (N, K)). They use forward
+hooks on those modules, so they compose with the stock or the batch-invariant forward.
+
+    with capture_routes(model) as rec:
+        model(input_ids=ids, attention_mask=mask)      # prefill, then decode steps...
+    per_row = rec.sequences()                           # list of (T_b, L, K) int16
+    with replay_routes(model, stack_routes(per_row, length=T)):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.bi_ops import bi_softmax
+
+NO_ROUTE = -1  # in a replay tensor: no record for this token/layer, the router chooses itself
+
+
+class RouteShapeError(ValueError):
+    """A replay tensor does not line up with the tokens or the routers of the forward."""
+
+
+def is_topk_router(module: nn.Module) -> bool:
+    """transformers' MoE routers (``*TopKRouter``), which return (logits, weights, indices)."""
+    name = type(module).__name__
+    return name.endswith("TopKRouter") and hasattr(module, "top_k") and hasattr(module, "weight")
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE routers of ``model`` in layer order; their position is the route's layer index."""
+    return [m for m in model.modules() if is_topk_router(m)]
+
+
+def _forward_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, torch.Tensor]:
+    """(batch, new tokens, valid (B, T) bool) of one model call, valid False at padding."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    tokens = ids if ids is not None else kwargs["inputs_embeds"][..., 0]
+    batch, length = tokens.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return batch, length, mask[:, -length:].bool().cpu()
+    return batch, length, torch.ones(batch, length, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class StepRoutes:
+    """Routes of one model call. routes (B, T, L, K) int16; valid (B, T) bool, False at padding."""
+
+    routes: torch.Tensor
+    valid: torch.Tensor
+
+
+class RouteRecorder:
+    """Collects the experts chosen in each model call (a prefill or a decode step)."""
+
+    def __init__(self, num_layers: int, top_k: int) -> None:
+        self.num_layers, self.top_k = num_layers, top_k
+        self.steps: list[StepRoutes] = []
+        self._shape: tuple[int, int, torch.Tensor] | None = None
+        self._layers: list[torch.Tensor | None] = []
+
+    def _begin(self, batch: int, length: int, valid: torch.Tensor) -> None:
+        self._shape = (batch, length, valid)
+        self._layers = [None] * self.num_layers
+
+    def _record(self, layer: int, indices: torch.Tensor) -> None:
+        if self._shape is not None:
+            self._layers[layer] = indices.detach().to("cpu", torch.int16)
+
+    def _end(self) -> None:
+        if self._shape is None or any(x is None for x in self._layers):
+            return
+        batch, length, valid = self._shape
+        routes = torch.stack(self._layers, dim=1)  # type: ignore[arg-type]  # (B*T, L, K)
+        self.steps.append(StepRoutes(routes.view(batch, length, self.num_layers, -1), valid))
+        self._shape = None
+
+    def pop_step(self) -> StepRoutes:
+        """The latest call's routes, removed; for engines whose batch changes between steps."""
+        return self.steps.pop()
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Per batch row, (T_b, L, K) int16 over all recorded calls, one entry per real token.
+
+        Needs the same batch rows in every call (prefill then decode steps of a static batch).
+        """
+        if not self.steps:
+            return []
+        rows = self.steps[0].routes.shape[0]
+        if any(s.routes.shape[0] != rows for s in self.steps):
+            raise RouteShapeError("batch size changed between calls; use pop_step() per call")
+        return [torch.cat([s.routes[b][s.valid[b]] for s in self.steps]) for b in range(rows)]
+
+
+@contextmanager
+def capture_routes(model: nn.Module) -> Iterator[RouteRecorder]:
+    """Record the routers' top-k indices of every forward of ``model`` inside the block."""
+    routers = find_routers(model)
+    if not routers:
+        raise RouteShapeError(f"{type(model).__name__} has no top-k MoE router")
+    top_k: Any = routers[0].top_k
+    recorder = RouteRecorder(len(routers), int(top_k))
+
+    def begin(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        recorder._begin(*_forward_shape(args, kwargs))
+
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True)]
+    for layer, router in enumerate(routers):
+        handles.append(router.register_forward_hook(_capture_hook(recorder, layer)))
+    handles.append(model.register_forward_hook(lambda *_: recorder._end()))
+    try:
+        yield recorder
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _capture_hook(recorder: RouteRecorder, layer: int) -> Any:
+    def hook(_m: nn.Module, _args: Any, output: tuple[torch.Tensor, ...]) -> None:
+        recorder._record(layer, output[2])
+
+    return hook
+
+
+def replay_gate_weights(
+    logits: torch.Tensor, indices: torch.Tensor, normalize: bool
+) -> torch.Tensor:
+    """Gate weights at given experts from the router's own logits. (N, E), (N, K) -> (N, K).
+
+    Same math as the routers: softmax over all experts in float32, gathered, renormalised.
+    """
+    probs = bi_softmax(logits, dim=-1)  # (N, E)
+    weights = probs.gather(-1, indices)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+class RouteReplayer:
+    """Holds the routes a replayed forward must use; ``routes`` may be swapped between calls."""
+
+    def __init__(self, routes: torch.Tensor, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.routes = routes
+
+    def indices(self, layer: int, tokens: int, device: torch.device) -> torch.Tensor:
+        """Recorded indices of one layer as (N, K) int64, N = B*T in the forward's order."""
+        if self.routes.dim() != 4 or self.routes.shape[2] != self.num_layers:
+            raise RouteShapeError(f"routes must be (B, T, {self.num_layers}, K), got "
+                                  f"{tuple(self.routes.shape)}")
+        flat = self.routes.reshape(-1, self.num_layers, self.routes.shape[3])  # (B*T, L, K)
+        if flat.shape[0] != tokens:
+            raise RouteShapeError(f"routes cover {flat.shape[0]} tokens, the forward has {tokens}")
+        return flat[:, layer].to(device=device, dtype=torch.long)
+
+
+@contextmanager
+def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteReplayer]:
+    """Force the recorded experts in every forward inside the block.
+
+    routes (B, T, L, K) integer, aligned with the forward's input_ids (B, T); entries equal to
+    ``NO_ROUTE`` (-1), e.g. padding or the final token, keep the router's own choice.
+    """
+    routers = find_routers(model)
+    replayer = RouteReplayer(routes, len(routers))
+    handles = [r.register_forward_hook(_replay_hook(replayer, i)) for i, r in enumerate(routers)]
+    try:
+        yield replayer
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _replay_hook(replayer: RouteReplayer, layer: int) -> Any:
+    def hook(router: nn.Module, _args: Any, output: tuple[torch.Tensor, ...]) -> tuple:
+        logits, _weights, own = output
+        recorded = replayer.indices(layer, logits.shape[0], logits.device)
+        indices = torch.where(recorded >= 0, recorded, own)
+        normalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always normalises
+        return logits, replay_gate_weights(logits, indices, normalize), indices
+
+    return hook
+
+
+def stack_routes(
+    sequences: Sequence[torch.Tensor], length: int, offsets: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Place per-sequence routes (T_b, L, K) into a (B, length, L, K) int16 replay tensor.
+
+    Sequence b starts at position ``offsets[b]`` (default 0: right padding); the rest is NO_ROUTE.
+    """
+    layers, top_k = sequences[0].shape[1:]
+    out = torch.full((len(sequences), length, layers, top_k), NO_ROUTE, dtype=torch.int16)
+    for b, seq in enumerate(sequences):
+        start = offsets[b] if offsets is not None else 0
+        out[b, start : start + seq.shape[0]] = seq[: length - start]
+    return out
