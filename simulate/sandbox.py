@@ -202,7 +202,9 @@ def _kill_everything(child: subprocess.Popen, uid: int | None) -> int:
     except ProcessLookupError:
         pass  # the group is already gone
     child.wait()
-    for _ in range(200 if uid is not None else 0):
+    if uid is None or survivors == 0:
+        return survivors  # no process of the uid is left that could fork another
+    for _ in range(200):
         _kill_uid(uid)
         if _count_uid(uid) == 0:
             break

