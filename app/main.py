@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from app.routes import admin, completions, feedback, health
+from app.routes import releases as releases_route
 from app.services import Services
 from app.settings import Settings
 
@@ -74,6 +75,7 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
     for module in (completions, feedback, admin, health):
         app.include_router(module.router)
+    app.include_router(releases_route.router)
 
     @app.middleware("http")
     async def limit_body(request: Request,

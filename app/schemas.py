@@ -89,3 +89,46 @@ class StatusResponse(BaseModel):
     completions: int
     feedback_accepted: int
     feedback_duplicates: int
+
+
+class ReleaseRequest(BaseModel):
+    """`POST /admin/releases`: build a release now (default candidate: the trainer's latest)."""
+
+    candidate: str | None = Field(default=None, description="checkpoint path (HF dir or "
+                                  ".safetensors); default: release.candidate_path")
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="manual release", max_length=2000)
+
+
+class ReleaseQueued(BaseModel):
+    version: int
+    task_id: str
+    status: str = "queued"
+
+
+class RollbackRequest(BaseModel):
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="manual rollback", max_length=2000)
+
+
+class ReleaseOut(BaseModel):
+    version: int
+    parent: int | None
+    kind: str
+    status: str
+    sha256: str
+    manifest_uri: str | None
+    snapshot_uri: str | None
+    candidate_uri: str | None
+    chain_length: int
+    requested_by: str
+    reason: str
+    eval_summary: dict[str, float | int | str]
+    step_range: list[int] | None
+    generation_ids: list[str]
+    feedback_event_ids: list[str]
+    created_at: datetime
+    published_at: datetime | None
+    rolled_back_at: datetime | None
+    rolled_back_by: str | None
+    rollback_reason: str | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Engine as DbEngine
 
@@ -31,4 +32,13 @@ class Services:
     tokenizer: object
     started_at: float = field(default_factory=time.monotonic)
     counters: Counters = field(default_factory=Counters)
+    celery: Any | None = None  # the Celery app release tasks go to; built on first use
+    replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
+
+    def release_tasks(self) -> Any:
+        if self.celery is None:
+            from app.celery_app import make_celery
+
+            self.celery = make_celery(self.settings)
+        return self.celery
     feedback: FeedbackIntake | None = None  # built on first use when absent (tests)

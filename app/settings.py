@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
 from trainer.config import TinyMoeSettings
+from trainer.release_config import ReleaseSettings
 
 Profile = Literal["embedded", "production"]
 
@@ -56,6 +57,7 @@ class Settings(BaseSettings):
     kafka: KafkaClientSettings = KafkaClientSettings()
     engine: EngineSettings = EngineSettings()
     model: TinyMoeSettings = TinyMoeSettings()
+    release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()
 
     @model_validator(mode="after")
@@ -84,6 +86,10 @@ class Settings(BaseSettings):
     @property
     def resolved_celery_broker_url(self) -> str:
         return self.celery_broker_url or "filesystem://"
+
+    @property
+    def resolved_candidate_path(self) -> Path:
+        return self.release.candidate_path or self.data_dir / "checkpoints" / "latest"
 
     @property
     def resolved_artifact_store_url(self) -> str:

@@ -246,7 +246,41 @@ class DeadLetter(BaseModel):
         return base64.b64decode(self.raw_b64)
 
 
-Event = GenerationLogged | FeedbackReceived | ExperienceReady | DeadLetter
+ReleaseKind = Literal["delta", "snapshot", "rollback"]
+
+
+class ReleasePublished(BaseModel):
+    """A version every serving replica should serve next, keyed by version on `releases`.
+
+    `manifest_uri` names the delta that takes `parent` to `version` (for kind rollback: the
+    delta of the rolled-back release, applied backwards, since XOR is its own inverse); a
+    snapshot also carries `snapshot_uri`, the full weights that reset the chain (version 0 has
+    only that). `sha256` is the whole-model hash
+    (`kernels.weights.state_dict_sha256`) a replica must reach; replicas apply releases in
+    `published_at` order and ignore older ones.
+    """
+
+    event: Literal["ReleasePublished"] = "ReleasePublished"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    version: int = Field(ge=0)
+    parent: int | None = Field(default=None, ge=0)
+    kind: ReleaseKind
+    manifest_uri: str = Field(min_length=1)
+    snapshot_uri: str | None = None  # set on snapshots: the full weights, for far-behind replicas
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    eval_summary: dict[str, float] = Field(default_factory=dict)
+    published_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _parent_fits_kind(self) -> ReleasePublished:
+        if self.kind != "snapshot" and self.parent is None:
+            raise ValueError(f"a {self.kind} release needs its parent version")
+        if self.kind == "snapshot" and self.snapshot_uri is None:
+            raise ValueError("a snapshot release needs snapshot_uri")
+        return self
+
+
+Event = GenerationLogged | FeedbackReceived | ExperienceReady | DeadLetter | ReleasePublished
 E = TypeVar("E", bound=BaseModel)
 
 

@@ -1,0 +1,48 @@
+"""Release configuration owned by `trainer` (composed into `app.settings.Settings`).
+
+The eval gate is a choice between suites (a discriminated union on `kind`); `build_eval_suite`
+in `trainer/eval_gate.py` turns it into the suite object. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+
+class HeldOutLossEval(BaseModel):
+    """Mean next-token loss on a fixed held-out token set (stdlib source the tokenizer and
+    the default model never saw). Lower is better."""
+
+    kind: Literal["heldout_loss"] = "heldout_loss"
+    sequences: int = Field(default=8, ge=1, le=4096)
+    seq_len: int = Field(default=128, ge=8, le=8192)
+    max_regression: float = Field(default=0.05, ge=0.0,
+                                  description="reject when loss rises by more (nats/token)")
+
+
+class CallableEval(BaseModel):
+    """`module:function(model, tokenizer) -> dict[str, float]` with a `loss` (lower is better);
+    the slot where the held-out simulate tasks of #6 plug in."""
+
+    kind: Literal["callable"] = "callable"
+    path: str = Field(pattern=r"^[\w.]+:\w+$")
+    max_regression: float = Field(default=0.05, ge=0.0)
+
+
+EvalSettings = Annotated[HeldOutLossEval | CallableEval, Field(discriminator="kind")]
+
+
+class ReleaseSettings(BaseModel):
+    """The release pipeline (trainer/release.py) and the replicas that follow it."""
+
+    interval_s: float = Field(default=3 * 3600, ge=1, description="Celery beat period")
+    snapshot_every: int = Field(default=8, ge=1,
+                                description="a full snapshot every K releases resets the chain")
+    candidate_path: Path | None = Field(
+        default=None, description="trainer checkpoint (HF dir or .safetensors); None: "
+                                  "<data_dir>/checkpoints/latest")
+    eval: EvalSettings = HeldOutLossEval()
+    poll_timeout_ms: int = Field(default=200, ge=10, description="replica subscriber poll")
