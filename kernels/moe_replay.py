@@ -179,7 +179,11 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteRepla
     """
     routers = find_routers(model)
     replayer = RouteReplayer(routes, len(routers))
-    handles = [r.register_forward_hook(_replay_hook(replayer, i)) for i, r in enumerate(routers)]
+    # prepend: replay rewrites the output before capture hooks see it, whatever the nesting order
+    handles = [
+        r.register_forward_hook(_replay_hook(replayer, i), prepend=True)
+        for i, r in enumerate(routers)
+    ]
     try:
         yield replayer
     finally:
