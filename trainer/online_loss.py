@@ -72,7 +72,7 @@ class OnlineLoss:
     truncated: torch.Tensor  # () fraction of tokens whose weight hit the cap
 
     def metrics(self) -> dict[str, float]:
-        return {name: float(getattr(self, name))
+        return {name: float(getattr(self, name).detach())
                 for name in ("loss", "policy", "kl", "is_weight", "truncated")}
 
 

@@ -1,0 +1,525 @@
+"""The online trainer: joined live feedback in (`experiences`), a better policy out.
+
+Each step takes a batch of `ExperienceReady` records (at least `online.min_batch`), recomputes
+the logprobs of the served tokens with the logged MoE routes replayed, and applies the online
+objective of `trainer/online_loss.py` (baseline advantage, truncated importance sampling
+against the behavior logprobs, k3 KL anchor to the served release), with gradient clipping.
+
+Crash safety (trainer/checkpoint.py): the consumer is assigned all partitions by hand and seeks
+to the offsets stored in the latest checkpoint; a step's weights, optimizer, offsets and ledger
+are checkpointed together; Kafka offsets are committed only after that checkpoint is durable;
+records whose experience or feedback event ids are in the ledger are skipped.
+
+    flywheel train-online --data-dir data
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ingest.config import KafkaConfig
+from ingest.events import ExperienceReady
+from ingest.log import Delivered, EventConsumer, EventProducer
+from kernels.weights import state_dict_sha256
+from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
+from trainer.online_config import BaselineSettings, BatchMeanBaseline, OnlineTrainerSettings
+from trainer.online_loss import (
+    advantages,
+    leave_one_out_baseline,
+    online_loss,
+    running_mean_update,
+)
+from trainer.policy import TokenBatch, sequence_logprobs
+
+log = logging.getLogger(__name__)
+Offsets = dict[str, int]  # "topic:partition" -> next offset to read
+
+
+# ---- baselines ---------------------------------------------------------------------------
+class Baseline:
+    """b_i for each row of a batch; `update` folds the batch in after the step."""
+
+    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class BatchMean(Baseline):
+    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
+        return leave_one_out_baseline(rewards)
+
+
+class BucketMean(Baseline):
+    """Running mean reward per context bucket; unseen buckets use the global running mean."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.buckets: dict[str, list[float]] = {}  # key -> [mean, count]
+        self.overall = [0.0, 0.0]
+
+    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.buckets.get(k, self.overall)[0] for k in keys],
+                            dtype=rewards.dtype)
+
+    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:
+        for key, reward in zip(keys, rewards.tolist(), strict=True):
+            mean, count = self.buckets.get(key, [0.0, 0.0])
+            self.buckets[key] = list(running_mean_update(mean, int(count), reward, self.decay))
+            self.overall = list(running_mean_update(self.overall[0], int(self.overall[1]),
+                                                    reward, self.decay))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buckets": self.buckets, "overall": self.overall}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buckets = {k: list(v) for k, v in state.get("buckets", {}).items()}
+        self.overall = list(state.get("overall", [0.0, 0.0]))
+
+
+def build_baseline(settings: BaselineSettings) -> Baseline:
+    if isinstance(settings, BatchMeanBaseline):
+        return BatchMean()
+    return BucketMean(settings.decay)
+
+
+def bucket_key(experience: ExperienceReady, buckets: int) -> str:
+    digest = hashlib.sha256(experience.prompt_token_ids.unpack().tobytes()).digest()
+    return str(int.from_bytes(digest[:8], "little") % buckets)
+
+
+# ---- the trainer -------------------------------------------------------------------------
+@dataclass
+class TrainerState:
+    """Everything besides weights and optimizer that a resume needs (JSON in the checkpoint)."""
+
+    step: int = 0
+    sequence: int = 0  # checkpoint number
+    offsets: Offsets = field(default_factory=dict)
+    baseline: dict[str, Any] = field(default_factory=dict)
+    reference_sha256: str | None = None
+    release_from_step: int = 0  # first step not contained in a release yet
+    last_release: dict[str, Any] | None = None
+    last_release_wall: float = field(default_factory=time.time)
+
+
+@dataclass
+class ReleaseOutcome:
+    version: int
+    published: bool
+    sha256: str
+    reason: str = ""
+
+
+class ReleaseSink(Protocol):
+    """The release pipeline of trainer/release.py, as the trainer sees it."""
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *,
+                requested_by: str, reason: str) -> ReleaseOutcome: ...
+
+
+def configure_torch(cfg: OnlineTrainerSettings) -> None:
+    torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+    elif cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+
+class OnlineTrainer:
+    """One policy, its optimizer, the KL reference, the baseline, the ledger; named phases."""
+
+    def __init__(self, cfg: OnlineTrainerSettings, model: Any, reference: Any, pad_id: int,
+                 store: CheckpointStore) -> None:
+        self.cfg = cfg
+        self.model = model.train()
+        self.reference = reference.eval().requires_grad_(False)
+        self.pad_id = pad_id
+        self.store = store
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                           weight_decay=cfg.weight_decay)
+        self.baseline = build_baseline(cfg.baseline)
+        self.state = TrainerState()
+        self.ledger = Ledger()
+        self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path) -> OnlineTrainer:
+        """Build from the base model, then load the latest checkpoint under `root` if any."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        configure_torch(cfg)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        store = CheckpointStore(root, keep=cfg.keep_checkpoints)
+        trainer = cls(cfg, model, reference, pad_id, store)
+        trainer.load_latest()
+        return trainer
+
+    def load_latest(self) -> bool:
+        ckpt = self.store.load()
+        if ckpt is None:
+            self.state.reference_sha256 = state_dict_sha256(self.reference.state_dict())
+            return False
+        self.model.load_state_dict(ckpt.weights)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.state = TrainerState(**ckpt.state)
+        self.baseline.load_state_dict(self.state.baseline)
+        self.ledger = ckpt.ledger
+        if self.state.reference_sha256 != state_dict_sha256(self.reference.state_dict()):
+            self.reference.load_state_dict(self.store.load_reference(
+                self.state.reference_sha256 or ""))
+        log.info("resumed %s at step %d", ckpt.name, self.state.step)
+        return True
+
+    # -- phases ------------------------------------------------------------------------------
+    def logprobs(self, model: Any, batch: TokenBatch, experiences: Sequence[ExperienceReady]
+                 ) -> torch.Tensor:
+        """(B, T) logprobs of every token, per-row temperature, logged routes replayed."""
+        temps = [e.sampling.temperature for e in experiences]
+        routes = self._routes(experiences, batch.tokens.shape[1])
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        for temp in sorted(set(temps)):
+            rows = [i for i, t in enumerate(temps) if t == temp]
+            sub = batch if len(rows) == len(temps) else TokenBatch(
+                batch.tokens[rows], batch.attention_mask[rows], batch.loss_mask[rows])
+            with _maybe_replay(model, None if routes is None else routes[rows]):
+                out[rows] = sequence_logprobs(model, sub, temperature=temp)
+        return out
+
+    def _routes(self, experiences: Sequence[ExperienceReady], length: int
+                ) -> torch.Tensor | None:
+        if not self.cfg.router_replay or any(e.routed_experts is None for e in experiences):
+            return None
+        from kernels.moe_replay import stack_routes
+
+        seqs = [torch.from_numpy(e.routed_experts.unpack().copy())  # type: ignore[union-attr]
+                for e in experiences]
+        return stack_routes(seqs, length)  # (B, T, L, K); last token and padding: NO_ROUTE
+
+    def forward_backward(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
+        seqs = [e.prompt_token_ids.tolist() + e.completion_token_ids.tolist() for e in experiences]
+        masks = [[0.0] * len(e.prompt_token_ids) + [1.0] * len(e.completion_token_ids)
+                 for e in experiences]
+        batch = TokenBatch.from_sequences(seqs, masks, pad_id=self.pad_id)
+        behavior = batch.pad_like([[0.0] * len(e.prompt_token_ids) + e.logprobs.tolist()
+                                   for e in experiences])  # (B, T)
+        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)  # (B,)
+        keys = [bucket_key(e, getattr(self.cfg.baseline, "buckets", 1)) for e in experiences]
+        adv = advantages(rewards, self.baseline.values(keys, rewards),
+                         normalize=self.cfg.normalize_advantages)  # (B,)
+        with torch.no_grad():
+            ref = (self.logprobs(self.reference, batch, experiences) if self.cfg.kl_coef > 0
+                   else torch.zeros(batch.tokens.shape))
+        logp = self.logprobs(self.model, batch, experiences)
+        out = online_loss(logp, behavior, ref, adv, batch.loss_mask.bool(),
+                          is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
+        out.loss.backward()
+        self.baseline.update(keys, rewards)
+        return {**out.metrics(), "reward": float(rewards.mean()),
+                "advantage_abs": float(adv.abs().mean())}
+
+    def step(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
+        """One optimizer step on one batch; records the batch in the ledger."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.forward_backward(experiences)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.ledger.record(LedgerEntry(
+            step=self.state.step, experience_ids=[e.experience_id for e in experiences],
+            generation_ids=[e.generation_id for e in experiences],
+            feedback_event_ids=[i for e in experiences for i in e.feedback_event_ids]))
+        self.state.step += 1
+        self.last_metrics = {**metrics, "grad_norm": float(norm), "batch": len(experiences)}
+        return self.last_metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        self.state.baseline = self.baseline.state_dict()
+        return {"weights": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "state": dict(self.state.__dict__), "ledger": self.ledger}
+
+    def checkpoint(self) -> str:
+        """Durably save everything; after this returns, its offsets may be committed."""
+        self.state.sequence += 1
+        parts = self.state_dict()
+        return self.store.save(sequence=self.state.sequence, **parts)
+
+    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        sha = state_dict_sha256(weights)
+        self.store.save_reference(sha, weights)
+        self.reference.load_state_dict(weights)
+        self.state.reference_sha256 = sha
+
+    def export_candidate(self, path: Path) -> Path:
+        """Current weights as safetensors (tied tensors as copies), for the release pipeline."""
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({n: t.detach().contiguous().clone()
+                   for n, t in self.model.state_dict().items()}, str(tmp))
+        tmp.replace(path)
+        return path
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _maybe_replay(model: Any, routes: torch.Tensor | None) -> Any:
+    if routes is None:
+        return _NullContext()
+    from kernels.moe_replay import replay_routes
+
+    return replay_routes(model, routes)
+
+
+# ---- the experience source ----------------------------------------------------------------
+class ExperienceSource(EventConsumer):
+    """`EventConsumer` on `experiences`, assigned every partition by hand (no group rebalance
+    to wait for after a restart), seeking to checkpointed offsets, committing explicit ones."""
+
+    def __init__(self, config: KafkaConfig, *, group_id: str, dlq: EventProducer | None,
+                 max_poll_records: int = 500) -> None:
+        super().__init__(config, group_id=group_id,
+                         types={config.topics.experiences: ExperienceReady}, dlq=dlq,
+                         max_poll_records=max_poll_records)
+        from kafka import TopicPartition
+
+        self._consumer.unsubscribe()
+        topic = config.topics.experiences
+        parts = self._consumer.partitions_for_topic(topic) or set()
+        deadline = time.monotonic() + config.request_timeout_ms / 1000
+        while not parts and time.monotonic() < deadline:
+            time.sleep(0.1)
+            parts = self._consumer.partitions_for_topic(topic) or set()
+        self.partitions = [TopicPartition(topic, p) for p in sorted(parts)]
+        self._consumer.assign(self.partitions)
+
+    def seek(self, offsets: Offsets) -> None:
+        for tp in self.partitions:
+            offset = offsets.get(f"{tp.topic}:{tp.partition}")
+            if offset is not None:
+                self._consumer.seek(tp, offset)
+
+    def commit_offsets(self, offsets: Offsets) -> None:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        commits = {}
+        for key, offset in offsets.items():
+            topic, partition = key.rsplit(":", 1)
+            commits[TopicPartition(topic, int(partition))] = OffsetAndMetadata(offset, "", -1)
+        self._consumer.commit(commits)
+
+    def lag(self, offsets: Offsets) -> int:
+        ends = self._consumer.end_offsets(self.partitions)
+        return sum(max(0, end - offsets.get(f"{tp.topic}:{tp.partition}", 0))
+                   for tp, end in ends.items())
+
+
+@dataclass
+class Batch:
+    experiences: list[ExperienceReady]
+    offsets: Offsets  # where to resume after this batch
+    skipped: int
+
+
+def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
+               max_batch: int) -> Batch | None:
+    """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
+    None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
+
+    Taking a prefix keeps each partition's records in offset order, so "resume after this
+    batch" is one offset per partition: the last taken + 1.
+    """
+    fresh: set[str] = set()
+    taken: list[ExperienceReady] = []
+    cut = 0
+    for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
+        exp: ExperienceReady = record.event
+        if not (ledger.contains(exp.experience_id, exp.feedback_event_ids)
+                or exp.experience_id in fresh):
+            fresh.add(exp.experience_id)
+            taken.append(exp)
+            if len(taken) == max_batch:
+                break
+    if len(taken) < min_batch:
+        return None
+    offsets: Offsets = {}
+    for record in pending[:cut]:
+        offsets[f"{record.topic}:{record.partition}"] = record.offset + 1
+    del pending[:cut]
+    return Batch(taken, offsets, cut - len(taken))
+
+
+# ---- the loop -----------------------------------------------------------------------------
+@dataclass
+class OnlineReport:
+    steps: int
+    consumed: int
+    skipped: int
+    releases: list[dict[str, Any]]
+
+
+class TrainerControl(Protocol):
+    def pending(self) -> list[Any]: ...
+
+    def done(self, command_id: int, result: dict[str, Any]) -> None: ...
+
+    def publish(self, **fields: Any) -> None: ...
+
+
+class OnlineLoop:
+    """Poll -> batch -> step -> checkpoint -> commit; control commands; release cadence."""
+
+    def __init__(self, trainer: OnlineTrainer, source: ExperienceSource, *,
+                 candidate_dir: Path, release_sink: ReleaseSink | None = None,
+                 control: TrainerControl | None = None,
+                 on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+        self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
+        self.candidate_dir = candidate_dir
+        self.release_sink, self.control, self.on_step = release_sink, control, on_step
+        self.pending: list[Delivered[Any]] = []
+        self.paused = False
+        self.skipped = 0
+        self.releases: list[dict[str, Any]] = []
+        self._next_control = 0.0
+        source.seek(trainer.state.offsets)
+
+    def run(self, stop: threading.Event | None = None) -> OnlineReport:
+        stop = stop or threading.Event()
+        while not stop.is_set() and not self._done():
+            self._handle_control()
+            if self.paused:
+                stop.wait(self.cfg.control_every_s)
+                continue
+            self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
+            batch = take_batch(self.pending, self.trainer.ledger, min_batch=self.cfg.min_batch,
+                               max_batch=self.cfg.max_batch)
+            if batch is not None:
+                self._train(batch)
+            if time.time() - self.trainer.state.last_release_wall >= self.cfg.release_interval_s:
+                self.release(requested_by="trainer", reason="release_interval")
+        self._publish_status()
+        return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
+                            self.releases)
+
+    def _done(self) -> bool:
+        return (self.cfg.stop_after is not None
+                and self.trainer.ledger.trained >= self.cfg.stop_after)
+
+    def _train(self, batch: Batch) -> None:
+        metrics = self.trainer.step(batch.experiences)
+        self.skipped += batch.skipped
+        self.trainer.state.offsets.update(batch.offsets)
+        if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
+            self.trainer.checkpoint()
+            self.source.commit_offsets(self.trainer.state.offsets)  # only once durable
+        log.info("step %d %s", self.trainer.state.step, metrics)
+        if self.on_step is not None:
+            self.on_step(metrics)
+        self._publish_status()
+
+    def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
+        """Hand the current weights to the release pipeline with their provenance."""
+        state = self.trainer.state
+        state.last_release_wall = time.time()
+        if self.release_sink is None or state.step <= state.release_from_step:
+            return {"released": False, "reason": "no sink" if self.release_sink is None
+                    else "no new steps since the last release"}
+        entries = self.trainer.ledger.between(state.release_from_step, state.step - 1)
+        provenance = {"step_range": [state.release_from_step, state.step - 1],
+                      "generation_ids": [g for e in entries for g in e.generation_ids],
+                      "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
+        path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
+        outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
+                                            reason=reason)
+        result = {"released": outcome.published, "version": outcome.version,
+                  "sha256": outcome.sha256, "reason": outcome.reason,
+                  "step_range": provenance["step_range"]}
+        if outcome.published:
+            weights = {n: t.detach().clone() for n, t in self.trainer.model.state_dict().items()}
+            self.trainer.set_reference(weights)  # the KL anchor follows the served release
+            state.release_from_step = state.step
+            state.last_release = {**result, "at": time.time()}
+        self.releases.append(result)
+        self.trainer.checkpoint()
+        self._publish_status()
+        return result
+
+    def _handle_control(self) -> None:
+        if self.control is None or time.monotonic() < self._next_control:
+            return
+        self._next_control = time.monotonic() + self.cfg.control_every_s
+        for command in self.control.pending():
+            if command.kind == "pause":
+                self.paused, result = True, {"paused": True}
+            elif command.kind == "resume":
+                self.paused, result = False, {"paused": False}
+            elif command.kind == "release":
+                result = self.release(requested_by=command.requested_by, reason=command.reason)
+            else:
+                result = {"error": f"unknown command {command.kind!r}"}
+            self.control.done(command.id, result)
+        self._publish_status()
+
+    def _publish_status(self) -> None:
+        if self.control is None:
+            return
+        state = self.trainer.state
+        last = state.last_release or {}
+        self.control.publish(step=state.step, consumed=self.trainer.ledger.trained,
+                             lag=self.source.lag(state.offsets), paused=self.paused,
+                             last_release_version=last.get("version"),
+                             last_release_step=(last.get("step_range") or [None, None])[1],
+                             metrics=self.trainer.last_metrics)
+
+
+def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
+               control: TrainerControl | None = None, stop: threading.Event | None = None,
+               on_step: Callable[[dict[str, float]], None] | None = None) -> OnlineReport:
+    """The `flywheel train-online` process: restore, consume, train, checkpoint, release."""
+    cfg: OnlineTrainerSettings = settings.online
+    if settings.kafka_bootstrap is None:
+        raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
+    root = cfg.resolved_checkpoint_dir(settings.data_dir)
+    trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root)
+    kafka = settings.kafka_config(settings.kafka_bootstrap)
+    dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
+    source = ExperienceSource(kafka, group_id=cfg.group_id, dlq=dlq)
+    try:
+        loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                          release_sink=release_sink, control=control, on_step=on_step)
+        return loop.run(stop)
+    finally:
+        source.close()
+        dlq.close()
+        trainer.close()

@@ -1,0 +1,136 @@
+"""How the API reaches the trainer process: two small SQL tables the trainer polls.
+
+The API and the trainer are separate processes (possibly separate machines) that already
+share the SQL database, so control is a command queue plus a status row there:
+
+- `trainer_command`: POST /admin/trainer/pause|resume|release inserts a row; the trainer
+  polls every `online.control_every_s`, applies the commands in id order and stamps them done.
+  A command survives a trainer restart (it stays pending until a trainer handles it).
+- `trainer_status`: one row the trainer upserts after each step and control poll (step,
+  consumed, lag, paused, last release); GET /admin/status reads it.
+
+Chosen over Kafka control messages because a command must be applied exactly once by
+whichever trainer is alive, and the answer (status) is state to read, not a stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import JSON, Column, Engine
+from sqlmodel import Field, Session, SQLModel, col, create_engine, select
+
+from ingest.events import utcnow
+
+CommandKind = Literal["pause", "resume", "release"]
+STATUS_ROW = 1
+
+
+class TrainerCommand(SQLModel, table=True):
+    __tablename__ = "trainer_command"
+
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str = Field(max_length=16)
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="", max_length=2000)
+    created_at: datetime = Field(default_factory=utcnow)
+    handled_at: datetime | None = Field(default=None, index=True)
+    result: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+
+
+class TrainerStatus(SQLModel, table=True):
+    __tablename__ = "trainer_status"
+
+    id: int = Field(default=STATUS_ROW, primary_key=True)
+    step: int = 0
+    consumed: int = 0
+    lag: int | None = None
+    paused: bool = False
+    last_release_version: int | None = None
+    last_release_step: int | None = None
+    last_release_at: datetime | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+def open_control_db(url: str) -> Engine:
+    connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
+    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+    SQLModel.metadata.create_all(
+        engine, tables=[TrainerCommand.__table__, TrainerStatus.__table__])  # type: ignore[attr-defined]
+    return engine
+
+
+def enqueue_command(db: Engine, kind: CommandKind, *, requested_by: str = "admin",
+                    reason: str = "") -> int:
+    with Session(db) as session:
+        row = TrainerCommand(kind=kind, requested_by=requested_by, reason=reason)
+        session.add(row)
+        session.commit()
+        session.refresh(row)
+        assert row.id is not None
+        return row.id
+
+
+def read_status(db: Engine) -> TrainerStatus | None:
+    with Session(db) as session:
+        return session.get(TrainerStatus, STATUS_ROW)
+
+
+@dataclass(frozen=True)
+class PendingCommand:
+    id: int
+    kind: str
+    requested_by: str
+    reason: str
+
+
+class SqlTrainerControl:
+    """The trainer's side: take pending commands, mark them handled, publish status."""
+
+    def __init__(self, db: Engine) -> None:
+        self.db = db
+
+    def pending(self) -> list[PendingCommand]:
+        with Session(self.db) as session:
+            rows = session.exec(select(TrainerCommand)
+                                .where(col(TrainerCommand.handled_at).is_(None))
+                                .order_by(col(TrainerCommand.id))).all()
+            return [PendingCommand(r.id or 0, r.kind, r.requested_by, r.reason) for r in rows]
+
+    def done(self, command_id: int, result: dict[str, Any]) -> None:
+        with Session(self.db) as session:
+            row = session.get(TrainerCommand, command_id)
+            if row is not None:
+                row.handled_at, row.result = utcnow(), result
+                session.add(row)
+                session.commit()
+
+    def publish(self, **fields: Any) -> None:
+        with Session(self.db) as session:
+            row = session.get(TrainerStatus, STATUS_ROW) or TrainerStatus()
+            row.sqlmodel_update({**fields, "updated_at": utcnow()})
+            session.add(row)
+            session.commit()
+
+
+class PipelineReleaseSink:
+    """Hands a candidate to trainer/release.py's `build_release` (gate, delta, publish), in
+    this process, with the step range and ids the weights were trained on."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def release(self, candidate: Any, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> Any:
+        from app.tasks import release_context
+        from trainer.online import ReleaseOutcome
+        from trainer.release import build_release
+
+        with release_context(self.settings) as ctx:
+            row = build_release(ctx, candidate=candidate, requested_by=requested_by,
+                                reason=reason, provenance=provenance)
+        return ReleaseOutcome(version=row.version, published=row.status == "published",
+                              sha256=row.sha256, reason=row.reason)
