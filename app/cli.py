@@ -3,6 +3,7 @@
     flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY http://127.0.0.1:P
     flywheel demo [--data-dir D]                start the stack, exercise it, print JSON
+    flywheel train-online [--data-dir D]        experiences -> policy updates -> releases
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -52,6 +53,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_online(args: argparse.Namespace) -> int:
+    from trainer.online import run_online
+    from trainer.online_control import PipelineReleaseSink, SqlTrainerControl, open_control_db
+
+    settings = _settings(args)
+    if settings.kafka_bootstrap is None:
+        print("flywheel train-online: set FLYWHEEL_KAFKA_BOOTSTRAP", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
+    sink = None if args.no_release else PipelineReleaseSink(settings)
+    report = run_online(settings, release_sink=sink, control=control, stop=stop)
+    print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -77,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--host")
     p.set_defaults(func=cmd_up)
+    p = with_common(sub.add_parser("train-online", help="train on live feedback, release"))
+    p.add_argument("--no-release", action="store_true", help="train and checkpoint only")
+    p.set_defaults(func=cmd_train_online)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--port", type=int, help="API port (default: a free one)")

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
 from trainer.config import TinyMoeSettings
+from trainer.online_config import OnlineTrainerSettings
 from trainer.release_config import ReleaseSettings
 
 Profile = Literal["embedded", "production"]
@@ -59,6 +60,7 @@ class Settings(BaseSettings):
     model: TinyMoeSettings = TinyMoeSettings()
     release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()
+    online: OnlineTrainerSettings = OnlineTrainerSettings()
 
     @model_validator(mode="after")
     def _production_needs_services(self) -> Settings:
