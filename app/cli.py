@@ -3,6 +3,7 @@
     flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY http://127.0.0.1:P
     flywheel demo [--data-dir D]                start the stack, exercise it, print JSON
+    flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--data-dir D]        experiences -> policy updates -> releases
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
@@ -72,6 +73,23 @@ def cmd_train_online(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    from ingest.join import run_join
+
+    settings = _settings(args)
+    bootstrap = args.bootstrap or settings.kafka_bootstrap
+    if bootstrap is None:
+        print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --bootstrap", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    run_join(settings.kafka_config(bootstrap), settings.join,
+             database_url=settings.resolved_join_database_url, stop=stop)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -100,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_common(sub.add_parser("train-online", help="train on live feedback, release"))
     p.add_argument("--no-release", action="store_true", help="train and checkpoint only")
     p.set_defaults(func=cmd_train_online)
+    p = with_common(sub.add_parser("join", help="join sessions with feedback into experiences"))
+    p.add_argument("--bootstrap", help="Kafka bootstrap (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    p.set_defaults(func=cmd_join)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--port", type=int, help="API port (default: a free one)")

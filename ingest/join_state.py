@@ -1,0 +1,109 @@
+"""The join's memory in SQL (SQLite under the data dir by default, PostgreSQL by URL).
+
+Four tables, owned by `ingest.join`:
+- `join_session`: sessions seen (the GenerationLogged JSON), until they expire.
+- `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
+  pending (no session yet), matched, or expired.
+- `join_experience`: the outbox: experiences built at match time, `produced` once acked.
+- `join_progress`: per experiences partition, the highest offset this join saw acked, so a
+  restart scans only the tail of the topic for records it produced but did not mark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import Engine, Text, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlmodel import Column, Field, SQLModel, create_engine
+
+PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
+
+
+class JoinSession(SQLModel, table=True):
+    __tablename__ = "join_session"
+
+    generation_id: str = Field(primary_key=True, max_length=128)
+    payload: str = Field(sa_column=Column(Text, nullable=False))
+    first_seen: float = Field(index=True)
+    matched: int = 0
+
+
+class JoinFeedback(SQLModel, table=True):
+    __tablename__ = "join_feedback"
+
+    event_id: str = Field(primary_key=True, max_length=128)
+    generation_id: str = Field(index=True, max_length=128)
+    payload: str = Field(sa_column=Column(Text, nullable=False))
+    first_seen: float = Field(index=True)
+    state: str = Field(default=PENDING, index=True, max_length=16)
+
+
+class JoinExperience(SQLModel, table=True):
+    __tablename__ = "join_experience"
+
+    experience_id: str = Field(primary_key=True, max_length=128)
+    event_id: str = Field(max_length=128)
+    generation_id: str = Field(max_length=128)
+    payload: str = Field(sa_column=Column(Text, nullable=False))
+    produced: bool = Field(default=False, index=True)
+
+
+class JoinProgress(SQLModel, table=True):
+    __tablename__ = "join_progress"
+
+    partition: int = Field(primary_key=True)
+    offset: int
+
+
+TABLES = [JoinSession.__table__, JoinFeedback.__table__,  # type: ignore[attr-defined]
+          JoinExperience.__table__, JoinProgress.__table__]  # type: ignore[attr-defined]
+
+
+def open_state(url: str) -> Engine:
+    """Create the engine and the join's tables (idempotent)."""
+    sqlite_url = url.startswith("sqlite")
+    engine = create_engine(url, connect_args={"check_same_thread": False} if sqlite_url else {})
+    if sqlite_url:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    SQLModel.metadata.create_all(engine, tables=TABLES)
+    return engine
+
+
+def insert_new(engine: Engine, table: type[SQLModel], rows: Sequence[dict[str, object]],
+               conn: object) -> None:
+    """INSERT rows, skipping keys that exist (the dedupe of at-least-once delivery)."""
+    if not rows:
+        return
+    dialect = sqlite if engine.dialect.name == "sqlite" else postgresql
+    stmt = dialect.insert(table.__table__).on_conflict_do_nothing()  # type: ignore[attr-defined]
+    conn.execute(stmt, list(rows))  # type: ignore[attr-defined]
+
+
+def existing_ids(conn: object, column: object, ids: Iterable[str]) -> set[str]:
+    wanted = sorted(set(ids))
+    found: set[str] = set()
+    for start in range(0, len(wanted), 5000):
+        chunk = wanted[start:start + 5000]
+        found.update(conn.execute(  # type: ignore[attr-defined]
+            select(column).where(column.in_(chunk))).scalars())  # type: ignore[attr-defined]
+    return found
+
+
+def mark_produced(conn: object, experience_ids: Sequence[str],
+                  offsets: dict[int, int]) -> None:
+    """Mark outbox rows produced and remember the highest acked offset per partition."""
+    for start in range(0, len(experience_ids), 5000):
+        chunk = list(experience_ids[start:start + 5000])
+        conn.execute(update(JoinExperience).where(  # type: ignore[attr-defined]
+            JoinExperience.experience_id.in_(chunk)).values(produced=True))  # type: ignore[attr-defined]
+    for partition, offset in offsets.items():
+        row = conn.execute(select(JoinProgress.offset).where(  # type: ignore[attr-defined]
+            JoinProgress.partition == partition)).scalar()
+        if row is None:
+            conn.execute(JoinProgress.__table__.insert(),  # type: ignore[attr-defined]
+                         {"partition": partition, "offset": offset})
+        elif offset > row:
+            conn.execute(update(JoinProgress).where(  # type: ignore[attr-defined]
+                JoinProgress.partition == partition).values(offset=offset))
