@@ -48,15 +48,11 @@ def build_services(settings: Settings) -> Services:
     producer = EventProducer(kafka, client_id="flywheel-api")
     if not settings.feedback_secrets:
         log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
-    if not settings.feedback_secrets:
-        log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
     return Services(settings=settings, kafka=kafka, engine=engine, producer=producer, db=db,
                     tokenizer=engine.tokenizer)
 
 
 def close_services(services: Services) -> None:
-    if services.feedback is not None:
-        services.feedback.close()
     if services.feedback is not None:
         services.feedback.close()
     services.producer.flush(timeout_s=services.kafka.delivery_timeout_ms / 1000)

@@ -79,18 +79,6 @@ class FeedbackBatchAccepted(BaseModel):
     results: list[FeedbackAccepted]
 
 
-class FeedbackBatchRequest(BaseModel):
-    """Up to `Settings.feedback_batch_max` events in one signed request."""
-
-    events: list[FeedbackRequest] = Field(min_length=1)
-
-
-class FeedbackBatchAccepted(BaseModel):
-    accepted: int
-    duplicates: int
-    results: list[FeedbackAccepted]
-
-
 class StatusResponse(BaseModel):
     profile: str
     model_version: int

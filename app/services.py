@@ -9,7 +9,6 @@ from typing import Any
 from sqlalchemy import Engine as DbEngine
 
 from app.feedback_intake import FeedbackIntake
-from app.feedback_intake import FeedbackIntake
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.log import EventProducer
@@ -33,7 +32,6 @@ class Services:
     tokenizer: object
     started_at: float = field(default_factory=time.monotonic)
     counters: Counters = field(default_factory=Counters)
-    feedback: FeedbackIntake | None = None  # built on first use when absent (tests)
     celery: Any | None = None  # the Celery app release tasks go to; built on first use
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
 

@@ -53,17 +53,11 @@ class Settings(BaseSettings):
     feedback_secrets: list[SecretStr] = Field(default_factory=list)
     feedback_tolerance_s: int = Field(default=300, ge=1, le=86_400)
     feedback_batch_max: int = Field(default=1000, ge=1, le=10_000)
-    # Feedback webhook (app/signing.py): HMAC secrets, several while rotating, JSON list in
-    # FLYWHEEL_FEEDBACK_SECRETS. Empty accepts unsigned webhooks (local use; warned at start).
-    feedback_secrets: list[SecretStr] = Field(default_factory=list)
-    feedback_tolerance_s: int = Field(default=300, ge=1, le=86_400)
-    feedback_batch_max: int = Field(default=1000, ge=1, le=10_000)
 
     topics: TopicSettings = TopicSettings()
     kafka: KafkaClientSettings = KafkaClientSettings()
     engine: EngineSettings = EngineSettings()
     model: TinyMoeSettings = TinyMoeSettings()
-    join: JoinSettings = JoinSettings()
     release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()
     online: OnlineTrainerSettings = OnlineTrainerSettings()
@@ -86,10 +80,6 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
-
-    @property
-    def resolved_join_database_url(self) -> str:
-        return self.join.database_url or f"sqlite:///{(self.data_dir / 'join.db').resolve()}"
 
     @property
     def resolved_join_database_url(self) -> str:

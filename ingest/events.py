@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hashlib
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -136,90 +135,6 @@ class FeedbackReceived(BaseModel):
         if self.kind == "edit_kept" and (self.value is None or not 0.0 <= self.value <= 1.0):
             raise ValueError("edit_kept needs value: the kept fraction in [0, 1]")
         return self
-
-
-class ExperienceReady(BaseModel):
-    """One generation joined with one feedback event: the tokens as served and their reward.
-
-    `experience_id` derives from the feedback event id (`experience_id_for`), so a re-produced
-    record after a crash carries the same key and downstream dedupes on it. Arrays follow
-    `GenerationLogged`: `logprobs` (behavior policy) has the length of `completion_token_ids`;
-    `routed_experts`, when present, has shape (P + T - 1, moe_layers, top_k).
-    """
-
-    event: Literal["ExperienceReady"] = "ExperienceReady"
-    schema_version: Literal[1] = SCHEMA_VERSION
-    experience_id: str = Field(min_length=1, max_length=128)
-    generation_id: str = Field(min_length=1, max_length=128)
-    feedback_event_ids: list[str] = Field(min_length=1)
-    feedback_kind: FeedbackKind
-    feedback_value: float | None = None
-    reward: float
-    model_version: int = Field(ge=0)
-    model_sha256: str
-    prompt_token_ids: PackedArray
-    completion_token_ids: PackedArray
-    logprobs: PackedArray
-    routed_experts: PackedArray | None = None
-    sampling: SamplingParams
-    finish_reason: Literal["stop", "length", "cancelled"]
-    generated_at: datetime
-    joined_at: datetime = Field(default_factory=utcnow)
-
-    @model_validator(mode="after")
-    def _aligned(self) -> ExperienceReady:
-        t = len(self.completion_token_ids)
-        if len(self.logprobs) != t:
-            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {t} tokens")
-        return self
-
-
-def experience_id_for(event_id: str) -> str:
-    """The experience id of the one experience a feedback event yields (stable across runs)."""
-    return "exp-" + hashlib.sha256(event_id.encode("utf-8")).hexdigest()[:32]
-
-
-class RolloutTrajectory(BaseModel):
-    """One agent episode, its context windows packed end to end.
-
-    `token_ids`, `loss_mask` (1 = model token) and `logprobs` (behavior policy, 0 where the
-    mask is 0) have one entry per token; `segment_lengths` splits them into the context windows
-    (self-summarization starts a new one) and sums to their length. `routed_experts`, when
-    present, has one row per token (the last row of each segment is padding).
-    """
-
-    token_ids: PackedArray
-    loss_mask: PackedArray
-    logprobs: PackedArray
-    segment_lengths: PackedArray
-    routed_experts: PackedArray | None = None
-    reward: float
-    turns: int = Field(ge=0)
-    finished: bool
-
-    @model_validator(mode="after")
-    def _aligned(self) -> RolloutTrajectory:
-        t = len(self.token_ids)
-        for name in ("loss_mask", "logprobs"):
-            if len(getattr(self, name)) != t:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {t} tokens")
-        if int(self.segment_lengths.unpack().sum()) != t:
-            raise ValueError(f"segment_lengths do not sum to the {t} tokens")
-        if self.routed_experts is not None and self.routed_experts.shape[0] != t:
-            raise ValueError(f"routed_experts has {self.routed_experts.shape[0]} rows for {t}")
-        return self
-
-
-class RolloutGroup(BaseModel):
-    """G rollouts of one task by one policy version: the unit GRPO normalizes rewards over."""
-
-    event: Literal["RolloutGroup"] = "RolloutGroup"
-    schema_version: Literal[1] = SCHEMA_VERSION
-    group_id: str = Field(min_length=1, max_length=128)
-    task_id: str = Field(min_length=1, max_length=256)
-    policy_version: int = Field(ge=0)
-    trajectories: list[RolloutTrajectory] = Field(min_length=1)
-    created_at: datetime = Field(default_factory=utcnow)
 
 
 class ExperienceReady(BaseModel):
