@@ -1,0 +1,316 @@
+"""Per-tensor lossless codecs over bit patterns; trainer/delta.py runs them over a state dict.
+
+`sparse` is Flywheel's codec. An RL step moves most bf16 weights by 0 or +-1 ulp, and whether
+a weight moves depends on its magnitude (a small weight has a small ulp). So it codes
+d = new - old on the integer bit pattern (sign-magnitude floats: +-1 ulp is d = +-1), splits
+the elements into classes by magnitude thresholds chosen per tensor, and stores per class only
+which members changed (gaps, one byte each) and by how much (one zigzag byte each), with
+escape streams for rare big values; zstd then codes streams whose statistics are nearly
+order-0, which is what its Huffman stage is good at. Decoding touches each weight once, in
+cache-sized chunks, and keeps only the changed positions and their new bit patterns.
+
+Self-inverse: classes come from a value both ends know. Changed elements whose class differs
+before and after ("crossers") are coded by position and left out of every class, so a decoder
+holding the base or the target sees the same class members and applies +d or -d. `xor` (byte
+planes of old ^ new, the fallback for dense changes) is self-inverse by construction; `full`
+(byte planes of new) is for snapshots; `same` stores nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+from pydantic import BaseModel, Field
+
+from trainer.delta_manifest import Codec
+from trainer.delta_streams import (
+    CHUNK,
+    choose_thresholds,
+    classes_of,
+    compress,
+    decompress,
+    gaps_to_symbols,
+    magnitude_mask,
+    symbols_to_ordinals,
+    symbols_to_values,
+    values_to_symbols,
+    xxh3_hex,
+)
+
+
+class CodecOptions(BaseModel):
+    """Encoder knobs; decoding needs none of them (the manifest carries what it needs)."""
+
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    threads: int = Field(default=2, ge=0, le=64)
+    classes: int = Field(default=4, ge=1, le=8)
+    try_xor_above: float = Field(default=0.25, ge=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class SparseUpdate:
+    """New bit patterns at some flat positions of a tensor."""
+
+    positions: np.ndarray  # (n,) int64
+    values: np.ndarray  # (n,) uint of the tensor's width
+
+
+@dataclass(frozen=True)
+class DenseUpdate:
+    """Every new bit pattern of a tensor."""
+
+    values: np.ndarray  # (numel,) uint of the tensor's width
+
+
+Update = SparseUpdate | DenseUpdate
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor's codec, its compressed streams and the sparse codec's parameters."""
+
+    codec: Codec
+    streams: list[bytes]
+    thresholds: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(s) for s in self.streams)
+
+
+class CorruptStreamError(ValueError):
+    """Decoded streams that do not fit the tensor (lengths, positions, counts)."""
+
+
+# ---- encode --------------------------------------------------------------------------------
+
+
+def encode_tensor(
+    base: np.ndarray | None, target: np.ndarray, dtype: torch.dtype, options: CodecOptions
+) -> Encoded:
+    """The smallest of the codecs that apply: same, sparse, xor (or full without a base)."""
+    level, threads = options.zstd_level, options.threads
+    if base is None:
+        return Encoded("full", encode_planes(target, level, threads))
+    diff = target - base  # wraps: the integer difference of bit patterns
+    changed = np.flatnonzero(diff)
+    if changed.size == 0:
+        return Encoded("same", [])
+    best = encode_sparse(base, diff, changed, dtype, options)
+    if changed.size > options.try_xor_above * diff.size:
+        xor = Encoded("xor", encode_planes(base ^ target, level, threads))
+        best = min(best, xor, key=lambda e: e.nbytes)
+    return best
+
+
+def encode_sparse(
+    base: np.ndarray,
+    diff: np.ndarray,
+    changed: np.ndarray,
+    dtype: torch.dtype,
+    options: CodecOptions,
+) -> Encoded:
+    """Crossers by position, then per class the gaps between changed members and the d's."""
+    mask = magnitude_mask(dtype, base.dtype.itemsize)
+    thresholds = choose_thresholds(base, changed, dtype, options.classes)
+    crossers = np.empty(0, np.int64)
+    if thresholds and mask is not None:
+        before = classes_of(base[changed], thresholds, mask)
+        after = classes_of(base[changed] + diff[changed], thresholds, mask)
+        crossers = changed[before != after]
+    ordinals, values = _class_changes(base, diff, changed, thresholds, mask, crossers)
+    gaps = [gaps_to_symbols(o) for o in ordinals]  # gaps restart in every class
+    gap_syms = np.concatenate([g[0] for g in gaps])
+    gap_esc = np.concatenate([g[1] for g in gaps])
+    val_syms, val_esc = values_to_symbols(np.concatenate(values))
+    parts = [crossers, diff[crossers], gap_syms, gap_esc, val_syms, val_esc]
+    streams = [compress(p, options.zstd_level, options.threads) for p in parts]
+    counts = tuple(len(o) for o in ordinals)
+    return Encoded("sparse", streams, thresholds, counts)
+
+
+def _class_changes(
+    base: np.ndarray,
+    diff: np.ndarray,
+    changed: np.ndarray,
+    thresholds: tuple[int, ...],
+    mask: int | None,
+    crossers: np.ndarray,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per class: ordinals (rank among the class members) of the changed members, their d's."""
+    if not thresholds or mask is None:
+        return [changed], [diff[changed]]
+    ordinals: list[list[np.ndarray]] = [[] for _ in range(len(thresholds) + 1)]
+    values: list[list[np.ndarray]] = [[] for _ in range(len(thresholds) + 1)]
+    offsets = [0] * (len(thresholds) + 1)
+    for start, members in _walk(base, thresholds, mask, crossers):
+        chunk = diff[start : start + CHUNK]
+        for g, local in enumerate(members):
+            hit = np.flatnonzero(chunk[local])
+            ordinals[g].append(hit + offsets[g])
+            values[g].append(chunk[local[hit]])
+            offsets[g] += local.size
+    return [np.concatenate(o) for o in ordinals], [np.concatenate(v) for v in values]
+
+
+def _walk(
+    bits: np.ndarray, thresholds: tuple[int, ...], mask: int, crossers: np.ndarray
+) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """Per chunk: its start and, per class, the chunk-local positions of its members."""
+    excluded = len(thresholds) + 1
+    for start in range(0, bits.size, CHUNK):
+        ctx = classes_of(bits[start : start + CHUNK], thresholds, mask)
+        lo, hi = np.searchsorted(crossers, [start, start + CHUNK])
+        ctx[crossers[lo:hi] - start] = excluded
+        yield start, [np.flatnonzero(ctx == g) for g in range(excluded)]
+
+
+def encode_planes(bits: np.ndarray, level: int, threads: int) -> list[bytes]:
+    """Byte planes (all low bytes, then the next ...): exponent bytes compress apart."""
+    width = bits.dtype.itemsize
+    planes = bits.view(np.uint8).reshape(-1, width).T
+    return [compress(np.ascontiguousarray(p), level, threads) for p in planes]
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+def decode_planes(frames: Sequence[memoryview], live: np.ndarray) -> np.ndarray:
+    width = live.dtype.itemsize
+    if len(frames) != width:
+        raise CorruptStreamError(f"{len(frames)} byte planes for {width}-byte elements")
+    out = np.empty((live.size, width), np.uint8)
+    for j, frame in enumerate(frames):
+        plane = decompress(frame, np.uint8)
+        if plane.size != live.size:
+            raise CorruptStreamError(f"byte plane of {plane.size} for {live.size} elements")
+        out[:, j] = plane
+    return out.reshape(-1).view(live.dtype)
+
+
+def decode_tensor(
+    codec: str,
+    frames: Sequence[memoryview],
+    live: np.ndarray,
+    dtype: torch.dtype,
+    *,
+    thresholds: tuple[int, ...] = (),
+    counts: tuple[int, ...] = (),
+    backward: bool = False,
+) -> tuple[Update, str]:
+    """Decode one tensor against the live bit patterns; returns the update and its xxh3."""
+    if codec == "same":
+        return SparseUpdate(np.empty(0, np.int64), live[:0].copy()), xxh3_hex(live)
+    if codec == "full":
+        values = decode_planes(frames, live)
+        return DenseUpdate(values), xxh3_hex(values)
+    if codec == "xor":
+        values = decode_planes(frames, live) ^ live
+        return DenseUpdate(values), xxh3_hex(values)
+    if codec == "sparse":
+        return decode_sparse(frames, live, dtype, thresholds, counts, backward)
+    raise CorruptStreamError(f"unknown codec {codec!r}")
+
+
+def decode_sparse(
+    frames: Sequence[memoryview],
+    live: np.ndarray,
+    dtype: torch.dtype,
+    thresholds: tuple[int, ...],
+    counts: tuple[int, ...],
+    backward: bool,
+) -> tuple[SparseUpdate, str]:
+    """Walk the live tensor in chunks: find each class's changed members, hash the result."""
+    if len(frames) != 6 or len(counts) != len(thresholds) + 1:
+        raise CorruptStreamError("sparse codec: wrong number of streams or class counts")
+    width, kind = live.dtype.itemsize, live.dtype
+    crossers = decompress(frames[0], np.int64)
+    cross_d = decompress(frames[1], kind)
+    ordinals = _split_ordinals(decompress(frames[2], np.uint8), decompress(frames[3], np.uint64),
+                               counts)
+    diffs = np.split(symbols_to_values(decompress(frames[4], np.uint8),
+                                       decompress(frames[5], kind), width),
+                     np.cumsum(counts)[:-1])
+    if cross_d.size != crossers.size or (crossers.size and not 0 <= crossers[0] <= crossers[-1]
+                                         < live.size):
+        raise CorruptStreamError("sparse codec: crosser positions outside the tensor")
+    mask = magnitude_mask(dtype, width) if thresholds else None
+    hasher = xxhash.xxh3_128()
+    scratch = np.empty(min(CHUNK, live.size), kind)
+    cursor = _Cursor(ordinals, diffs)
+    positions, values = [], []
+    for start, members in _members(live, thresholds, mask, crossers):
+        chunk = live[start : start + CHUNK]
+        lo, hi = np.searchsorted(crossers, [start, start + CHUNK])
+        local, d = cursor.take(members, chunk.size, crossers[lo:hi] - start, cross_d[lo:hi])
+        new = chunk[local] - d if backward else chunk[local] + d
+        buf = scratch[: chunk.size]
+        buf[:] = chunk
+        buf[local] = new
+        hasher.update(buf.data)
+        positions.append(local + start)
+        values.append(new)
+    cursor.check_done()
+    update = SparseUpdate(_cat(positions, np.int64), _cat(values, kind))
+    return update, hasher.hexdigest()
+
+
+def _members(
+    live: np.ndarray, thresholds: tuple[int, ...], mask: int | None, crossers: np.ndarray
+) -> Iterator[tuple[int, list[np.ndarray] | None]]:
+    """Like `_walk`, with None for "every element is a member of the only class"."""
+    if mask is None:
+        for start in range(0, live.size, CHUNK):
+            yield start, None
+    else:
+        yield from _walk(live, thresholds, mask, crossers)
+
+
+class _Cursor:
+    """Hands out, chunk by chunk, each class's changed members and their d's."""
+
+    def __init__(self, ordinals: list[np.ndarray], diffs: list[np.ndarray]):
+        self.ordinals, self.diffs = ordinals, diffs
+        self.taken = [0] * len(ordinals)
+        self.members_before = [0] * len(ordinals)
+
+    def take(
+        self, members: list[np.ndarray] | None, size: int, cross_local: np.ndarray,
+        cross_d: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        locals_, ds = [cross_local], [cross_d]
+        for g, ords in enumerate(self.ordinals):
+            count = size if members is None else members[g].size
+            first, past = self.members_before[g], self.members_before[g] + count
+            end = int(np.searchsorted(ords, past))
+            rank = ords[self.taken[g] : end] - first
+            locals_.append(rank if members is None else members[g][rank])
+            ds.append(self.diffs[g][self.taken[g] : end])
+            self.taken[g], self.members_before[g] = end, past
+        return np.concatenate(locals_), np.concatenate(ds)
+
+    def check_done(self) -> None:
+        if any(t != o.size for t, o in zip(self.taken, self.ordinals, strict=True)):
+            raise CorruptStreamError("sparse codec: changes past the end of their class")
+
+
+def _split_ordinals(
+    symbols: np.ndarray, escapes: np.ndarray, counts: tuple[int, ...]
+) -> list[np.ndarray]:
+    if symbols.size != sum(counts) or escapes.size != int(np.count_nonzero(symbols == 255)):
+        raise CorruptStreamError("sparse codec: gap stream does not match the class counts")
+    cuts = np.cumsum(counts)[:-1]
+    esc_cuts = [int(np.count_nonzero(s == 255)) for s in np.split(symbols, cuts)]
+    return [symbols_to_ordinals(s, e) for s, e in zip(np.split(symbols, cuts),
+                                                      np.split(escapes, np.cumsum(esc_cuts)[:-1]),
+                                                      strict=True)]
+
+
+def _cat(parts: list[np.ndarray], dtype: type[np.generic] | np.dtype) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, dtype)
+
