@@ -1,0 +1,194 @@
+"""Trainer/inference numerics mismatch, with the batch-invariant mode and router replay off and on.
+
+For the default tiny Qwen3-MoE and a larger MoE (random init, fixed seed, no downloads):
+1. serve: waves of static batches (sizes 1..32) of prompts of mixed lengths, left-padded prefill
+   then incremental decode through a DynamicCache; rows that finish leave the batch (so the
+   batch shrinks), temperature-1 sampling; records each sampled token's logprob and the routes;
+2. train: recompute those logprobs with full-sequence forwards over batches of a different
+   composition (shuffled, right-padded), replaying the recorded routes when the mode is on;
+3. print max/mean |d logprob|, the share of tokens with any difference, the share of tokens whose
+   experts differ in at least one layer, and the slowdowns (decode tokens/s, trainer time).
+This uses its own decode loop over the HF model rather than serving.TorchEngine (an async,
+tokenizer-driven service), calling the same kernels API the engine calls.
+
+    .venv/bin/python bench/numerics.py            # ~3 minutes on 2 shared cores
+The last line is one JSON object (default model at top level, the larger one under "larger").
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from kernels.batch_invariant import disable_batch_invariant, enable_batch_invariant
+from kernels.bi_ops import token_logprobs
+from kernels.moe_replay import capture_routes, replay_routes, stack_routes
+
+WAVES = (1, 32, 4, 11, 2, 17)  # serving batch sizes, one static batch each
+
+
+def tiny_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+        max_position_embeddings=512,
+    )
+
+
+def larger_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+        max_position_embeddings=512,
+    )
+
+
+@dataclass
+class Rollout:
+    """One served sequence: tokens, prompt length, per-token logprobs and routes (T-1, L, K)."""
+
+    tokens: list[int]
+    prompt_len: int
+    logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+
+
+def serve_wave(model: torch.nn.Module, prompts: list[list[int]], new_tokens: list[int],
+               gen: torch.Generator) -> list[Rollout]:
+    """Left-padded prefill then decode; finished rows leave the batch and the cache."""
+    rows = [Rollout(list(p), len(p)) for p in prompts]
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):], mask[b, longest - len(p):] = torch.tensor(p), 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, live = DynamicCache(config=model.config), list(range(len(prompts)))
+    with torch.no_grad(), capture_routes(model) as recorder:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                    past_key_values=cache, use_cache=True)
+        while True:
+            step = recorder.pop_step()  # (B, T, L, K), valid (B, T)
+            for i, b in enumerate(live):
+                rows[b].routes.append(step.routes[i][step.valid[i]])
+            logits = out.logits[:, -1]
+            tok = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)[:, 0]
+            lp = token_logprobs(logits, tok)
+            keep = []
+            for i, b in enumerate(live):
+                rows[b].tokens.append(int(tok[i]))
+                rows[b].logprobs.append(float(lp[i]))
+                if len(rows[b].logprobs) < new_tokens[b]:
+                    keep.append(i)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                cache.batch_select_indices(torch.tensor(keep))
+                mask, pos, tok = mask[keep], pos[keep], tok[keep]
+                live = [live[i] for i in keep]
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                        past_key_values=cache, use_cache=True)
+    for r in rows:
+        r.routes = [torch.cat(r.routes)]
+    return rows
+
+
+def serve(model: torch.nn.Module, seed: int) -> tuple[list[Rollout], float]:
+    """All waves; returns the rollouts and decode throughput (sampled tokens per second)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    vocab, rollouts, start = model.config.vocab_size, [], time.perf_counter()
+    for size in WAVES:
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(size)]
+        rollouts += serve_wave(model, prompts, [rng.randint(8, 24) for _ in range(size)], gen)
+    elapsed = time.perf_counter() - start
+    return rollouts, sum(len(r.logprobs) for r in rollouts) / elapsed
+
+
+def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
+          seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Full-sequence forwards over shuffled batches of 16; per rollout: logprobs (n,) and the
+    experts used (T-1, L, K). Returns those and the forward time."""
+    order = list(range(len(rollouts)))
+    random.Random(seed + 1).shuffle(order)
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
+    used: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
+    elapsed = 0.0
+    for chunk in (order[i:i + 16] for i in range(0, len(order), 16)):
+        batch = [rollouts[i] for i in chunk]
+        length = max(len(r.tokens) for r in batch)
+        ids = torch.zeros(len(batch), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, r in enumerate(batch):
+            ids[b, :len(r.tokens)], mask[b, :len(r.tokens)] = torch.tensor(r.tokens), 1
+        routes = stack_routes([r.routes[0] for r in batch], length)
+        start = time.perf_counter()
+        with torch.no_grad(), capture_routes(model) as recorder:
+            if replay:
+                with replay_routes(model, routes):
+                    logits = model(input_ids=ids, attention_mask=mask).logits
+            else:
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            lp = token_logprobs(logits[:, :-1], ids[:, 1:])  # (B, T-1)
+        elapsed += time.perf_counter() - start
+        seen = recorder.steps[0].routes
+        for b, (i, r) in enumerate(zip(chunk, batch, strict=True)):
+            n = len(r.tokens)
+            logprobs[i] = lp[b, r.prompt_len - 1:n - 1]
+            used[i] = seen[b, :n - 1]
+    return logprobs, used, elapsed
+
+
+def compare(model: torch.nn.Module, on: bool, seed: int) -> tuple[dict[str, float], float, float]:
+    """Serve then train in one mode; the mismatch figures, decode tokens/s and trainer time."""
+    (enable_batch_invariant if on else disable_batch_invariant)(model)
+    rollouts, tokens_per_s = serve(model, seed)
+    trained, used, train_s = train(model, rollouts, replay=on, seed=seed)
+    served = torch.cat([torch.tensor(r.logprobs) for r in rollouts])
+    delta = (served - torch.cat(trained)).abs()
+    # Experts per fed token (prompt and completion) in serving vs those the trainer used.
+    differs = [
+        (r.routes[0].long() != u.long()).flatten(1).any(1)
+        for r, u in zip(rollouts, used, strict=True)
+    ]
+    figures = {
+        "max_abs_dlogprob": float(delta.max()),
+        "mean_abs_dlogprob": float(delta.mean()),
+        "tokens_differing": float((delta > 0).float().mean()),
+        "expert_disagreement": float(torch.cat(differs).float().mean()),
+    }
+    return figures, tokens_per_s, train_s
+
+
+def run(name: str, config: Qwen3MoeConfig, seed: int = 0) -> dict[str, object]:
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    compare(model, on=False, seed=seed + 100)  # warm-up (allocator, kernels)
+    off, off_tps, off_train = compare(model, on=False, seed=seed)
+    on, on_tps, on_train = compare(model, on=True, seed=seed)
+    on["slowdown"] = off_tps / on_tps  # decode tokens/s, off over on
+    on["trainer_slowdown"] = on_train / off_train
+    print(f"{name}: decode {off_tps:.0f} -> {on_tps:.0f} tok/s, trainer forward "
+          f"{off_train:.2f} -> {on_train:.2f} s (off -> on)")
+    for mode, figures in (("off", off), ("on", on)):
+        print(f"  {mode:3s} " + "  ".join(f"{k}={v:.3g}" for k, v in figures.items()))
+    return {"off": off, "on": on}
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning across busy cores costs 10-100x
+    result = run("default", tiny_config())
+    result["larger"] = run("larger", larger_config())
+    print(json.dumps({"bench": "numerics", **result}))
+
+
+if __name__ == "__main__":
+    main()
