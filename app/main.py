@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 
-from app.routes import admin, completions, feedback, health
+from app.errors import OpenAIError, install_error_handlers
+from app.metrics import Metrics
+from app.routes import admin, completions, feedback, health, models
+from app.routes import metrics as metrics_route
 from app.routes import releases as releases_route
 from app.services import Services
 from app.settings import Settings
@@ -27,7 +29,9 @@ def build_services(settings: Settings) -> Services:
 
     from app.db import ServedVersion, make_db_engine
     from ingest.log import EventProducer, ensure_topics
-    from serving.torch_engine import TorchEngine
+    from ingest.session_log import SessionLog
+    from ingest.spool import Spool
+    from serving.engine import build_engine
     from trainer.init_model import init_model
 
     if settings.kafka_bootstrap is None:
@@ -39,20 +43,24 @@ def build_services(settings: Settings) -> Services:
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:  # the default model is built on first use
         init_model(settings.model, model_dir)
-    engine = TorchEngine.load(model_dir, seed=settings.engine.seed,
-                              threads=settings.engine.threads)
+    engine = build_engine(settings.engine, model_dir)
     with Session(db) as session:
         if session.get(ServedVersion, engine.version.number) is None:
             session.add(ServedVersion(number=engine.version.number, sha256=engine.version.sha256))
             session.commit()
     producer = EventProducer(kafka, client_id="flywheel-api")
+    session_log = SessionLog(kafka, Spool(settings.data_dir / "spool" / "sessions.jsonl")).start()
+    metrics = Metrics()
+    metrics.bind(engine=engine, session_log=session_log)
     if not settings.feedback_secrets:
         log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
     return Services(settings=settings, kafka=kafka, engine=engine, producer=producer, db=db,
-                    tokenizer=engine.tokenizer)
+                    tokenizer=engine.tokenizer, session_log=session_log, metrics=metrics)
 
 
 def close_services(services: Services) -> None:
+    if services.session_log is not None:  # before the engine: in-flight choices log on exit
+        services.session_log.close()
     if services.feedback is not None:
         services.feedback.close()
     services.producer.flush(timeout_s=services.kafka.delivery_timeout_ms / 1000)
@@ -75,6 +83,9 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
     for module in (completions, feedback, admin, health):
         app.include_router(module.router)
+    app.include_router(models.router)
+    app.include_router(metrics_route.router)
+    install_error_handlers(app)
     app.include_router(releases_route.router)
 
     @app.middleware("http")
@@ -82,8 +93,9 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                          call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         length = request.headers.get("content-length")
         if length is not None and int(length) > settings.max_body_bytes:
-            return JSONResponse(status_code=413, content={
-                "detail": f"body of {length} bytes exceeds {settings.max_body_bytes}"})
+            return OpenAIError(413, f"body of {length} bytes exceeds the limit of "
+                               f"{settings.max_body_bytes} bytes",
+                               code="request_too_large").response()
         return await call_next(request)
 
     return app

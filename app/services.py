@@ -11,7 +11,9 @@ from sqlalchemy import Engine as DbEngine
 from app.feedback_intake import FeedbackIntake
 from app.settings import Settings
 from ingest.config import KafkaConfig
+from app.metrics import Metrics
 from ingest.log import EventProducer
+from ingest.session_log import SessionLog
 from serving.engine import Engine
 
 
@@ -32,6 +34,8 @@ class Services:
     tokenizer: object
     started_at: float = field(default_factory=time.monotonic)
     counters: Counters = field(default_factory=Counters)
+    session_log: SessionLog | None = None  # None: completions are produced directly (tests)
+    metrics: Metrics = field(default_factory=Metrics)
     celery: Any | None = None  # the Celery app release tasks go to; built on first use
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
 

@@ -1,56 +1,142 @@
-"""The torch backend: a Hugging Face causal LM on CPU (or one GPU), one model-owning thread.
+"""The torch backend: continuous batching on one model-owning thread (CPU or one GPU).
 
-All model work runs on a single worker thread, so requests never fight over the weights;
-the asyncio side only submits requests and awaits results. Each request runs a prefill and
-then incremental decode steps against a KV cache.
+All model work runs on one engine thread, so requests never fight over the weights; the
+asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
+requests (each prefilled alone, then joined to the batch), run one batched decode step over
+every active row (`serving.batching.PaddedKVBatch`), sample each row with its own seeded
+generator, let finished or cancelled rows leave. A request's tokens and logprobs therefore do
+not depend on what else is in the batch beyond float tolerance (bitwise with
+`batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
+token with kernels/moe_replay.
 
-    engine = TorchEngine.load(Path("data/models/base"), version_number=0)
+    engine = TorchEngine.load(Path("data/models/base"), max_batch=32)
     result = await engine.generate(GenerationRequest(prompt_token_ids=[...], max_tokens=32))
+    async for delta in engine.stream(request): ...
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import logging
+import queue
 import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.weights import state_dict_sha256
-from serving.engine import EngineError, GenerationRequest, GenerationResult, ModelVersion
+from serving.batching import PaddedKVBatch
+from serving.detokenize import TextTracker
+from serving.engine import (
+    EngineClosedError,
+    EngineError,
+    FinishReason,
+    GenerationDelta,
+    GenerationRequest,
+    GenerationResult,
+    ModelVersion,
+    SwapTiming,
+    TopLogprobs,
+)
 from serving.sampling import sample_next, top_alternatives
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Swap:
+    commit: Callable[[MutableMapping[str, torch.Tensor]], object]
+    version: ModelVersion
+    future: concurrent.futures.Future[SwapTiming]
+    requested_at: float
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One request on the engine thread, plus the way back to its asyncio consumer."""
+
+    request: GenerationRequest
+    generator: torch.Generator
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[GenerationDelta | Exception]
+    text: TextTracker
+    stop_ids: frozenset[int]
+    want_deltas: bool
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # each (n, L, K) int16
+    cancelled: bool = False
+
+    def send(self, item: GenerationDelta | Exception) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+@contextlib.contextmanager
+def _route_capture(model: Any) -> Iterator[Any]:
+    """kernels.moe_replay's recorder, or None for a model without top-k MoE routers."""
+    from kernels.moe_replay import capture_routes, find_routers
+
+    if not find_routers(model):
+        yield None
+        return
+    with capture_routes(model) as recorder:
+        yield recorder
 
 
 class TorchEngine:
     """Generates with a transformers model; `version` names the weights it serves."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0, seed: int = 0,
+                 max_batch: int = 32, batch_invariant: bool = False) -> None:
         self.model = model.eval()
+        if batch_invariant:
+            from kernels.batch_invariant import enable_batch_invariant
+
+            enable_batch_invariant(self.model)
         self.tokenizer = tokenizer
+        self.max_batch = max_batch
         self._version = ModelVersion(version_number, state_dict_sha256(model.state_dict()))
         self._rng = random.Random(seed)
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._eos_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
-                         if i is not None}
+        self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+                                  if i is not None)
+        self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
+        self._calls = queue.SimpleQueue()
+        self._rows: list[_Sequence] = []
+        self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
+        self._pending_swap: _Swap | None = None
+        self._batch = PaddedKVBatch()
+        self._closed = threading.Event()
+        self.on_step: Callable[[int], None] | None = None  # called with the decode batch size
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
 
     @classmethod
     def load(cls, model_dir: Path, *, version_number: int = 0, seed: int = 0,
-             threads: int | None = None) -> TorchEngine:
+             threads: int | None = None, max_batch: int = 32,
+             batch_invariant: bool = False) -> TorchEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-
         if threads:
             torch.set_num_threads(threads)
         if not (model_dir / "config.json").exists():
             raise EngineError(f"no Hugging Face model in {model_dir} (run `flywheel init-model`)")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        return cls(model, tokenizer, version_number=version_number, seed=seed)
+        return cls(model, tokenizer, version_number=version_number, seed=seed,
+                   max_batch=max_batch, batch_invariant=batch_invariant)
 
     @property
     def version(self) -> ModelVersion:
@@ -60,51 +146,243 @@ class TorchEngine:
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self.generate_sync, request)
+    @property
+    def active(self) -> int:
+        return len(self._rows)
 
-    def generate_sync(self, request: GenerationRequest) -> GenerationResult:
-        prompt = list(request.prompt_token_ids)
+    # ---- asyncio side -------------------------------------------------------------------
+    def _open(self, request: GenerationRequest, *, want_deltas: bool) -> _Sequence:
+        if self._closed.is_set():
+            raise EngineClosedError("engine is closed")
+        prompt = request.prompt_token_ids
         if not prompt:
             raise EngineError("prompt is empty")
+        if request.max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1")
         if len(prompt) + request.max_tokens > self.max_context:
             raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
                               f"exceeds the context ({self.max_context})")
         seed = request.seed if request.seed is not None else self._rng.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed)
-        stop_ids = self._eos_ids | set(request.stop_token_ids)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        alternatives: list[list[tuple[int, float]]] = []
-        finish = "length"
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
-            for _ in range(request.max_tokens):
-                token, logprob, dist = sample_next(out.logits[0, -1],
-                                                   temperature=request.temperature,
-                                                   top_p=request.top_p, generator=generator)
-                tokens.append(token)
-                logprobs.append(logprob)
-                alternatives.append(top_alternatives(dist, request.top_logprobs))
-                if token in stop_ids or self._hit_stop_string(tokens, request.stop):
-                    finish = "stop"
-                    break
-                out = self.model(input_ids=torch.tensor([[token]]),
-                                 past_key_values=out.past_key_values, use_cache=True)
-        return GenerationResult(
-            token_ids=tokens, logprobs=logprobs, finish_reason=finish,  # type: ignore[arg-type]
-            version=self._version, text=self.decode(tokens),
-            top_logprobs=alternatives if request.top_logprobs else [])
+        seq = _Sequence(request=request, generator=torch.Generator().manual_seed(seed),
+                        loop=asyncio.get_running_loop(), out=asyncio.Queue(),
+                        text=TextTracker(self.tokenizer, request.stop),
+                        stop_ids=self._eos_ids | frozenset(request.stop_token_ids),
+                        want_deltas=want_deltas)
+        self._inbox.put(seq)
+        return seq
 
-    def _hit_stop_string(self, tokens: list[int], stop: Any) -> bool:
-        if not stop:
-            return False
-        tail = self.decode(tokens[-16:])
-        return any(s in tail for s in stop)
+    async def _deltas(self, seq: _Sequence) -> AsyncIterator[GenerationDelta]:
+        try:
+            while True:
+                item = await seq.out.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.result is not None:
+                    return
+        finally:
+            seq.cancelled = True  # a no-op once finished; otherwise the row leaves next step
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Deltas as tokens are sampled; closing the iterator early cancels the generation."""
+        return self._deltas(self._open(request, want_deltas=True))
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        async for delta in self._deltas(self._open(request, want_deltas=False)):
+            if delta.result is not None:
+                return delta.result
+        raise EngineError("generation ended without a result")
+
+    def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn(model)` on the engine thread between two decode steps (e.g. a hot-swap)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        return future
+
+    def set_version(self, version: ModelVersion) -> None:
+        self._version = version
+
+    def swap_weights(self, commit: Callable[[MutableMapping[str, torch.Tensor]], object],
+                     version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:
+        """Run `commit(live_state_dict)` (verified writes, prepared by the caller) and serve
+        `version` from then on.
+
+        Admission pauses until the requests in flight finish, so no response mixes two
+        versions; then the engine thread commits in place and admission resumes.
+        """
+        future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
+        self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
+        return future
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._closed.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode(), _route_capture(self.model) as recorder:
+            while not self._closed.is_set():
+                self._run_calls()
+                if not self._swap_when_drained():
+                    self._admit(recorder)
+                self._drop_cancelled()
+                if self._rows:
+                    self._decode_step(recorder)
+        self._fail_active(EngineClosedError("engine closed"))
+        self._fail_waiting(EngineClosedError("engine closed"))
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.model))
+                except Exception as exc:  # handed to the caller through the future
+                    future.set_exception(exc)
+
+    def _swap_when_drained(self) -> bool:
+        """True while a swap waits for the rows in flight to finish (admission paused)."""
+        if self._pending_swap is None:
+            try:
+                self._pending_swap = self._swaps.get_nowait()
+            except queue.Empty:
+                return False
+        if self._rows:
+            return True
+        swap, self._pending_swap = self._pending_swap, None
+        started = time.perf_counter()
+        try:
+            swap.commit(self.model.state_dict())
+        except Exception as exc:  # handed to the caller, who refuses the release
+            swap.future.set_exception(exc)
+            return False
+        self._version = swap.version
+        done = time.perf_counter()
+        swap.future.set_result(SwapTiming(paused_s=done - swap.requested_at,
+                                          copy_s=done - started))
+        return False
+
+    def _admit(self, recorder: Any) -> None:
+        block = not self._rows
+        while len(self._rows) < self.max_batch:
+            try:
+                seq = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if seq is None:
+                return
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+                continue
+            try:
+                self._prefill(seq, recorder)
+            except Exception as exc:  # this request fails; the batch goes on
+                log.exception("prefill failed")
+                seq.send(EngineError(f"prefill failed: {exc}"))
+
+    def _prefill(self, seq: _Sequence, recorder: Any) -> None:
+        prompt = list(seq.request.prompt_token_ids)
+        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        if recorder is not None:
+            seq.routes.append(recorder.pop_step().routes[0])  # (P, L, K)
+        if not self._sample(seq, out.logits[0, -1]):
+            self._rows.append(seq)
+            self._batch.add(out.past_key_values, len(prompt))
+
+    def _decode_step(self, recorder: Any) -> None:
+        rows = self._rows
+        if self.on_step is not None:
+            self.on_step(len(rows))
+        mask, positions = self._batch.step_inputs()
+        try:
+            out = self.model(input_ids=torch.tensor([[s.tokens[-1]] for s in rows]),
+                             attention_mask=mask, position_ids=positions,
+                             past_key_values=self._batch.cache, use_cache=True)
+        except Exception as exc:  # every row in the step fails; the engine goes on
+            log.exception("decode step failed")
+            self._fail_active(EngineError(f"decode step failed: {exc}"))
+            return
+        self._batch.advance()
+        routes = recorder.pop_step().routes[:, 0] if recorder is not None else None  # (B, L, K)
+        logits = out.logits[:, -1]  # (B, V)
+        keep = []
+        for b, seq in enumerate(rows):
+            if routes is not None:
+                seq.routes.append(routes[b:b + 1])
+            if not self._sample(seq, logits[b]):
+                keep.append(b)
+        self._rows = [rows[b] for b in keep]
+        self._batch.keep(keep)
+
+    def _drop_cancelled(self) -> None:
+        keep = [b for b, seq in enumerate(self._rows) if not seq.cancelled]
+        if len(keep) == len(self._rows):
+            return
+        for seq in self._rows:
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+        self._rows = [self._rows[b] for b in keep]
+        self._batch.keep(keep)
+
+    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> bool:
+        """Sample the next token of `seq` from `logits` (V,); True when `seq` finished."""
+        req = seq.request
+        token, logprob, dist = sample_next(logits, temperature=req.temperature, top_p=req.top_p,
+                                           generator=seq.generator)
+        tops = top_alternatives(dist, req.top_logprobs)
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if req.top_logprobs:
+            seq.tops.append(tops)
+        text = seq.text.push(token)
+        finish: FinishReason | None = None
+        if token in seq.stop_ids or seq.text.stopped:
+            finish = "stop"
+        elif len(seq.tokens) >= req.max_tokens:
+            finish = "length"
+        if finish is not None:
+            self._finish(seq, finish, text=text, token=(token, logprob, tops))
+            return True
+        if seq.want_deltas:
+            seq.send(GenerationDelta(token_ids=[token], logprobs=[logprob], text=text,
+                                     top_logprobs=[tops] if req.top_logprobs else []))
+        return False
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, *, text: str = "",
+                token: tuple[int, float, TopLogprobs] | None = None) -> None:
+        text += seq.text.finish()
+        routes = None
+        if seq.routes:
+            routes = torch.cat(seq.routes).numpy().astype(np.int16)  # (P + T - 1, L, K)
+        result = GenerationResult(
+            token_ids=list(seq.tokens), logprobs=list(seq.logprobs), finish_reason=reason,
+            version=self._version, text=seq.text.text, top_logprobs=list(seq.tops),
+            routed_experts=routes)
+        tok, lp, tops = token if token is not None else (None, None, [])
+        seq.send(GenerationDelta(
+            token_ids=[tok] if tok is not None else [], logprobs=[lp] if lp is not None else [],
+            text=text, top_logprobs=[tops] if tok is not None and seq.request.top_logprobs
+            else [], finish_reason=reason, result=result))
+
+    def _fail_active(self, exc: Exception) -> None:
+        for seq in self._rows:
+            seq.send(exc)
+        self._rows = []
+        self._batch = PaddedKVBatch()
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        while True:
+            try:
+                seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if seq is not None:
+                seq.send(exc)

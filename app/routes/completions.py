@@ -1,86 +1,428 @@
-"""`POST /v1/chat/completions`: OpenAI-compatible chat completions, every one logged.
+"""`POST /v1/chat/completions` and `POST /v1/completions`: OpenAI-compatible, every one logged.
 
-The response `id` is the generation_id (also in the `X-Flywheel-Generation-Id` header) that
-the product attaches feedback to; `system_fingerprint` names the model version that produced
-it. The exact token ids and logprobs go to the `sessions` topic as `GenerationLogged`.
+Each choice is one generation: its `generation_id` is logged to `sessions` as
+`GenerationLogged` (exact token ids, sampled-token logprobs, routed experts, version) through
+the session log, off the request path. The response `id` is the first choice's generation_id,
+also in the `X-Flywheel-Generation-Id` header; `X-Flywheel-Generation-Ids` lists all of them
+(n > 1 or several prompts) and the choices share one request_id. `system_fingerprint` names
+the model version. `stream: true` answers with server-sent events ending in `data: [DONE]`.
+A client that goes away cancels its generations (logged with finish_reason "cancelled").
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from fastapi import APIRouter, HTTPException, Response, status
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from app.deps import ServicesDep
-from app.schemas import (
+from app.errors import OpenAIError
+from app.openai_schemas import (
+    MAX_STOP,
+    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from app.services import Services
 from ingest.events import GenerationLogged, PackedArray, SamplingParams
-from serving.engine import EngineError, GenerationRequest, GenerationResult
+from serving.engine import (
+    EngineClosedError,
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    GenerationResult,
+    TopLogprobs,
+)
 
 router = APIRouter(tags=["inference"])
 GENERATION_HEADER = "X-Flywheel-Generation-Id"
+GENERATION_IDS_HEADER = "X-Flywheel-Generation-Ids"
+SERVED_MODEL = "flywheel"
+Kind = Literal["chat", "completion"]
 
 
-def chat_prompt_ids(tokenizer: object, messages: list[ChatMessage]) -> list[int]:
-    text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-        [m.model_dump() for m in messages], tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+@dataclass(eq=False)
+class Choice:
+    """One generation of a request, filled in as its deltas arrive."""
+
+    index: int
+    prompt: list[int]
+    request: GenerationRequest
+    generation_id: str = field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
+    text: str = ""
+    result: GenerationResult | None = None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def absorb(self, delta: GenerationDelta) -> None:
+        if self.first_token_at is None and delta.token_ids:
+            self.first_token_at = time.perf_counter()
+        self.tokens += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.tops += delta.top_logprobs
+        self.text += delta.text
+        if delta.result is not None:
+            self.result = delta.result
+
+    @property
+    def finish_reason(self) -> Literal["stop", "length"]:
+        return "stop" if self.result is not None and self.result.finish_reason == "stop" \
+            else "length"
 
 
-def log_generation(services: Services, *, generation_id: str, prompt: list[int],
-                   result: GenerationResult, sampling: SamplingParams, latency_ms: float,
-                   session_id: str | None, user_id: str | None) -> None:
+@dataclass
+class Plan:
+    """A validated request: its choices and what the response and the log need."""
+
+    kind: Kind
+    model: str
+    choices: list[Choice]
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    logprobs: int | None  # None: no logprobs in the response; else the top-k asked for
+    include_usage: bool
+    session_id: str | None
+    user: str | None
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return self.choices[0].generation_id
+
+    def headers(self) -> dict[str, str]:
+        return {GENERATION_HEADER: self.id,
+                GENERATION_IDS_HEADER: ",".join(c.generation_id for c in self.choices)}
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+
+# ---- planning: tokenization and limits ---------------------------------------------------
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
+        add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]
+                       ) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    out = []
+    for p in prompt:
+        out.append(list(tokenizer(p, add_special_tokens=False)["input_ids"])
+                   if isinstance(p, str) else list(p))  # type: ignore[arg-type]
+    return out
+
+
+def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
+         prompts: list[list[int]], max_tokens: int | None, logprobs: int | None) -> Plan:
+    engine, cfg = services.engine, services.settings.engine
+    if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
+        raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
+                          f"`{SERVED_MODEL}`", param="model", code="model_not_found")
+    stop = body.stop_strings()
+    if len(stop) > MAX_STOP:
+        raise OpenAIError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
+    if max_tokens is not None and max_tokens > cfg.max_new_tokens_cap:
+        raise OpenAIError(400, f"max_tokens {max_tokens} exceeds this server's cap of "
+                          f"{cfg.max_new_tokens_cap}", param="max_tokens", code="invalid_value")
+    vocab = len(services.tokenizer)  # type: ignore[arg-type]
+    longest = max(len(p) for p in prompts)
+    for p in prompts:
+        if not p:
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in p):
+            raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    room = engine.max_context - longest
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = max_tokens or 1
+        raise OpenAIError(400, f"This model's maximum context length is {engine.max_context} "
+                          f"tokens. However, you requested {longest + asked} tokens "
+                          f"({longest} in the prompt, {asked} in the completion).",
+                          param="messages" if kind == "chat" else "prompt",
+                          code="context_length_exceeded")
+    max_tokens = max_tokens or min(cfg.default_max_tokens, room)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                              seed=body.seed, stop=stop)
+    choices = []
+    for i in range(len(prompts) * body.n):
+        seed = None if body.seed is None else body.seed + i % body.n
+        choices.append(Choice(index=i, prompt=prompts[i // body.n], request=GenerationRequest(
+            prompt_token_ids=prompts[i // body.n], max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            top_logprobs=logprobs or 0)))
+    return Plan(kind=kind, model=body.model or SERVED_MODEL, choices=choices, prompts=prompts,
+                sampling=sampling, logprobs=logprobs,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                session_id=body.session_id, user=body.user)
+
+
+# ---- running: all choices of a request at once, each logged exactly once ----------------
+async def run_choices(services: Services, p: Plan) -> AsyncIterator[tuple[Choice, GenerationDelta]]:
+    """Merge the choices' engine streams; on exit (done, error or cancel) log every choice."""
+    events: asyncio.Queue[tuple[Choice, GenerationDelta | Exception | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in services.engine.stream(choice.request):
+                await events.put((choice, delta))
+        except EngineError as exc:
+            await events.put((choice, exc))
+        await events.put((choice, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in p.choices]
+    try:
+        running = len(tasks)
+        while running:
+            choice, item = await events.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                choice.absorb(item)
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for choice in p.choices:
+            log_choice(services, p, choice)
+
+
+def log_choice(services: Services, p: Plan, choice: Choice) -> None:
+    result = choice.result
+    now = time.perf_counter()
+    version = result.version if result is not None else services.engine.version
+    routes = result.routed_experts if result is not None else None
     event = GenerationLogged(
-        generation_id=generation_id, request_id=generation_id,
-        model_version=result.version.number, model_sha256=result.version.sha256,
-        session_id=session_id, user_id=user_id,
-        prompt_token_ids=PackedArray.pack(prompt, "int32"),
-        completion_token_ids=PackedArray.pack(result.token_ids, "int32"),
-        logprobs=PackedArray.pack(result.logprobs, "float32"),
-        routed_experts=(PackedArray.pack(result.routed_experts, "int16")
-                        if result.routed_experts is not None else None),
-        sampling=sampling, finish_reason=result.finish_reason, latency_ms=latency_ms)
-    services.producer.send(services.kafka.topics.sessions, generation_id, event)
+        generation_id=choice.generation_id, request_id=p.request_id,
+        model_version=version.number, model_sha256=version.sha256,
+        session_id=p.session_id, user_id=p.user,
+        prompt_token_ids=PackedArray.pack(choice.prompt, "int32"),
+        completion_token_ids=PackedArray.pack(choice.tokens, "int32"),
+        logprobs=PackedArray.pack(choice.logprobs, "float32"),
+        routed_experts=PackedArray.pack(routes, "int16") if routes is not None else None,
+        sampling=p.sampling, finish_reason=result.finish_reason if result else "cancelled",
+        latency_ms=(now - choice.started) * 1000)
+    if services.session_log is not None:
+        services.session_log.submit(event)
+    else:
+        services.producer.send(services.kafka.topics.sessions, choice.generation_id, event)
+    services.metrics.observe_generation(
+        endpoint=p.kind, prompt_tokens=len(choice.prompt), completion_tokens=len(choice.tokens),
+        latency_s=now - choice.started,
+        ttft_s=(choice.first_token_at - choice.started) if choice.first_token_at else None,
+        finish_reason=event.finish_reason)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_end(services: Services, p: Plan, request: Request) -> None:
+    """Run every choice to its end; a client disconnect cancels them all."""
+    async def consume() -> None:
+        async for _ in run_choices(services, p):
+            pass
+
+    work = asyncio.create_task(consume())
+    gone = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise OpenAIError(499, "client closed the request", code="client_closed")
+    exc = work.exception()
+    if isinstance(exc, EngineClosedError):
+        raise OpenAIError(503, f"the engine is shutting down: {exc}")
+    if isinstance(exc, EngineError):
+        raise OpenAIError(500, f"generation failed: {exc}")
+    if exc is not None:
+        raise exc
+
+
+# ---- response shapes ----------------------------------------------------------------------
+def _token_text(tokenizer: Any, token: int) -> str:
+    return str(tokenizer.decode([token]))
+
+
+def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float],
+                   tops: list[TopLogprobs]) -> ChoiceLogprobs:
+    content = []
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        text = _token_text(tokenizer, token)
+        alternatives = [TopLogprob(token=(t := _token_text(tokenizer, a)), logprob=alp,
+                                   bytes=list(t.encode()))
+                        for a, alp in (tops[i] if i < len(tops) else [])]
+        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
+                                    top_logprobs=alternatives))
+    return ChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float],
+                         tops: list[TopLogprobs], offset: int = 0) -> CompletionLogprobs:
+    texts = [_token_text(tokenizer, t) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top = [{_token_text(tokenizer, a): alp for a, alp in (tops[i] if i < len(tops) else [])}
+           for i in range(len(tokens))]
+    return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), top_logprobs=top,
+                              text_offset=offsets)
+
+
+def chat_response(services: Services, p: Plan) -> ChatCompletionResponse:
+    tok = services.tokenizer
+    return ChatCompletionResponse(
+        id=p.id, created=p.created, model=p.model,
+        system_fingerprint=p.choices[0].result.version.fingerprint  # type: ignore[union-attr]
+        if p.choices[0].result else services.engine.version.fingerprint,
+        choices=[ChatChoice(
+            index=c.index, message=AssistantMessage(content=c.text),
+            logprobs=_chat_logprobs(tok, c.tokens, c.logprobs, c.tops)
+            if p.logprobs is not None else None,
+            finish_reason=c.finish_reason, generation_id=c.generation_id) for c in p.choices],
+        usage=p.usage())
+
+
+def completion_response(services: Services, p: Plan) -> CompletionResponse:
+    tok = services.tokenizer
+    return CompletionResponse(
+        id=p.id, created=p.created, model=p.model,
+        system_fingerprint=p.choices[0].result.version.fingerprint  # type: ignore[union-attr]
+        if p.choices[0].result else services.engine.version.fingerprint,
+        choices=[CompletionChoice(
+            index=c.index, text=c.text,
+            logprobs=_completion_logprobs(tok, c.tokens, c.logprobs, c.tops)
+            if p.logprobs is not None else None,
+            finish_reason=c.finish_reason, generation_id=c.generation_id) for c in p.choices],
+        usage=p.usage())
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _chunk(services: Services, p: Plan, choices: list[dict[str, Any]],
+           usage: Usage | None = None) -> str:
+    body: dict[str, Any] = {
+        "id": p.id, "object": "chat.completion.chunk" if p.kind == "chat"
+        else "text_completion", "created": p.created, "model": p.model,
+        "system_fingerprint": services.engine.version.fingerprint, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return _sse(body)
+
+
+def _delta_choice(services: Services, p: Plan, choice: Choice, delta: GenerationDelta
+                  ) -> dict[str, Any]:
+    tok = services.tokenizer
+    finish = choice.finish_reason if delta.result is not None else None
+    out: dict[str, Any] = {"index": choice.index, "finish_reason": finish, "logprobs": None}
+    if p.kind == "chat":
+        out["delta"] = {"content": delta.text} if delta.text or finish is None else {}
+        if p.logprobs is not None:
+            out["logprobs"] = _chat_logprobs(tok, delta.token_ids, delta.logprobs,
+                                             delta.top_logprobs).model_dump()
+    else:
+        out["text"] = delta.text
+        if p.logprobs is not None:
+            out["logprobs"] = _completion_logprobs(tok, delta.token_ids, delta.logprobs,
+                                                   delta.top_logprobs).model_dump()
+    return out
+
+
+async def sse_events(services: Services, p: Plan) -> AsyncIterator[str]:
+    """The SSE body: role chunks (chat), one chunk per delta, usage if asked, [DONE]."""
+    if p.kind == "chat":
+        yield _chunk(services, p, [{"index": c.index, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                    "logprobs": None, "finish_reason": None}
+                                   for c in p.choices])
+    runner = run_choices(services, p)
+    try:
+        async for choice, delta in runner:
+            if delta.token_ids or delta.text or delta.result is not None:
+                yield _chunk(services, p, [_delta_choice(services, p, choice, delta)])
+    except EngineError as exc:
+        yield _sse(OpenAIError(500, f"generation failed: {exc}").body())
+    finally:
+        await runner.aclose()
+    if p.include_usage:
+        yield _chunk(services, p, [], usage=p.usage())
+    yield "data: [DONE]\n\n"
+
+
+async def respond(services: Services, p: Plan, request: Request, response: Response, *,
+                  stream: bool) -> ChatCompletionResponse | CompletionResponse | StreamingResponse:
+    started = time.perf_counter()
+    try:
+        if stream:
+            return StreamingResponse(sse_events(services, p), media_type="text/event-stream",
+                                     headers={**p.headers(), "Cache-Control": "no-cache"})
+        await run_to_end(services, p, request)
+        response.headers.update(p.headers())
+        return chat_response(services, p) if p.kind == "chat" else completion_response(
+            services, p)
+    finally:
+        services.counters.completions += len(p.choices)
+        services.metrics.observe_request(p.kind, time.perf_counter() - started)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
-                           response: Response) -> ChatCompletionResponse:
-    engine_cfg = services.settings.engine
-    max_tokens = body.max_tokens or engine_cfg.default_max_tokens
-    if max_tokens > engine_cfg.max_new_tokens_cap:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST,
-                            f"max_tokens {max_tokens} exceeds the cap "
-                            f"{engine_cfg.max_new_tokens_cap}")
+                           request: Request, response: Response) -> Any:
     prompt = chat_prompt_ids(services.tokenizer, body.messages)
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                              max_tokens=max_tokens, seed=body.seed, stop=stop)
-    started = time.perf_counter()
-    try:
-        result = await services.engine.generate(GenerationRequest(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=body.temperature,
-            top_p=body.top_p, seed=body.seed, stop=stop))
-    except EngineError as exc:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
-    latency_ms = (time.perf_counter() - started) * 1000
-    generation_id = f"gen-{uuid.uuid4().hex}"
-    log_generation(services, generation_id=generation_id, prompt=prompt, result=result,
-                   sampling=sampling, latency_ms=latency_ms, session_id=body.session_id,
-                   user_id=body.user)
-    services.counters.completions += 1
-    response.headers[GENERATION_HEADER] = generation_id
-    return ChatCompletionResponse(
-        id=generation_id, created=int(time.time()), model=body.model or "flywheel",
-        system_fingerprint=result.version.fingerprint,
-        choices=[ChatChoice(index=0, message=ChatMessage(role="assistant", content=result.text),
-                            finish_reason="stop" if result.finish_reason == "stop" else "length")],
-        usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(result.token_ids),
-                    total_tokens=len(prompt) + len(result.token_ids)))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    p = plan(services, "chat", body, [prompt], body.max_completion_tokens or body.max_tokens,
+             logprobs)
+    return await respond(services, p, request, response, stream=body.stream)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def completions(body: CompletionRequest, services: ServicesDep, request: Request,
+                      response: Response) -> Any:
+    if body.echo:
+        raise OpenAIError(400, "echo is not supported", param="echo")
+    prompts = completion_prompts(services.tokenizer, body.prompt)
+    if not prompts:
+        raise OpenAIError(400, "the prompt is empty", param="prompt")
+    p = plan(services, "completion", body, prompts, body.max_tokens, body.logprobs)
+    return await respond(services, p, request, response, stream=body.stream)

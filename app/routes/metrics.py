@@ -1,0 +1,15 @@
+"""`GET /metrics`: Prometheus text format (requests, tokens, latency, batch size, log queue)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from app.deps import ServicesDep
+from app.metrics import CONTENT_TYPE
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(services: ServicesDep) -> Response:
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,87 @@
+"""A left-padded batch KV cache that rows join and leave between decode steps.
+
+Continuous batching on Hugging Face's own forward: every active request is one row of a
+`DynamicCache` whose layers hold keys/values (B, H, S, D), left-padded to a common length S.
+`mask` (B, S) marks real columns; `positions` (B,) is each row's next position id, so RoPE sees
+true positions whatever the padding. A new row (its own prefill cache, no padding) joins by
+left-padding whichever side is shorter; finished rows leave with `index_select`; columns that
+are padding in every remaining row are trimmed off the left. Padded keys/values are zeros and
+masked out, so a row's attention never reads another row's or a pad's values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _layers(cache: Any) -> list[Any]:
+    return list(cache.layers)
+
+
+def _left_pad(x: torch.Tensor, columns: int) -> torch.Tensor:
+    """Pad (B, H, S, D) with `columns` zero columns on the left of S."""
+    return F.pad(x, (0, 0, columns, 0)) if columns else x
+
+
+class PaddedKVBatch:
+    """The shared cache of all active rows (see module doc). Rows are indexed 0..B-1."""
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)  # (B, S) 1 = real column
+        self.positions = torch.zeros(0, dtype=torch.long)  # (B,) next position id per row
+
+    def __len__(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def add(self, row_cache: Any, length: int) -> None:
+        """Append one row: `row_cache` is a batch-1 DynamicCache over `length` real tokens."""
+        if self.cache is None or len(self) == 0:
+            self.cache = row_cache
+            self.mask = torch.ones(1, length, dtype=torch.long)
+            self.positions = torch.tensor([length], dtype=torch.long)
+            return
+        width = max(self.width, length)
+        for mine, theirs in zip(_layers(self.cache), _layers(row_cache), strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width - self.width),
+                                   _left_pad(theirs.keys, width - length)])
+            mine.values = torch.cat([_left_pad(mine.values, width - self.width),
+                                     _left_pad(theirs.values, width - length)])
+        row_mask = F.pad(torch.ones(1, length, dtype=torch.long), (width - length, 0))
+        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), row_mask])
+        self.positions = torch.cat([self.positions, torch.tensor([length])])
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only `rows` (in that order), then trim columns that are padding everywhere."""
+        if len(rows) == len(self) and list(rows) == list(range(len(self))):
+            return
+        if not rows:
+            self.__init__()  # type: ignore[misc]
+            return
+        index = torch.tensor(list(rows), dtype=torch.long)
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        real_columns = self.mask.any(dim=0).nonzero()
+        start = int(real_columns[0]) if len(real_columns) else self.width
+        self.mask = self.mask[:, start:]
+        for layer in _layers(self.cache):
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention_mask (B, S + 1), position_ids (B, 1)) for one decode step."""
+        mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
+        return mask, self.positions.unsqueeze(1)
+
+    def advance(self) -> None:
+        """Record that the decode step appended one real column to every row."""
+        self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
+        self.positions = self.positions + 1

@@ -1,0 +1,122 @@
+"""Continuous batching: a request's tokens and logprobs do not depend on its batch-mates.
+
+Requests join a running batch and leave it at different steps; each must sample the same tokens
+with the same logprobs (float tolerance; bitwise with the batch-invariant kernels) as alone,
+and carry one route row per token fed to the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.batching import PaddedKVBatch
+from serving.engine import GenerationRequest, GenerationResult, collect
+from serving.torch_engine import TorchEngine
+
+
+def request(i: int) -> GenerationRequest:
+    return GenerationRequest(prompt_token_ids=[7 + i, 40, 41, 300 + i][: 2 + i % 3] * (1 + i % 2),
+                             max_tokens=6 + 3 * i, temperature=0.8 if i % 3 else 0.0,
+                             top_p=0.9 if i % 2 else 1.0, seed=1000 + i)
+
+
+async def staggered(engine: TorchEngine, n: int) -> list[GenerationResult]:
+    async def later(i: int) -> GenerationResult:
+        await asyncio.sleep(0.01 * i)  # joins a batch that is already decoding
+        return await engine.generate(request(i))
+
+    return list(await asyncio.gather(*(later(i) for i in range(n))))
+
+
+def wait_idle(engine: TorchEngine) -> bool:
+    """The last result is sent just before its row leaves the batch."""
+    for _ in range(200):
+        if engine.active == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    e = TorchEngine.load(model_dir, max_batch=4)
+    yield e
+    e.close()
+
+
+def test_batched_requests_match_running_alone(engine: TorchEngine) -> None:
+    alone = [asyncio.run(engine.generate(request(i))) for i in range(6)]
+    together = asyncio.run(staggered(engine, 6))  # 6 requests, 4 rows: some wait, then join
+    for a, b in zip(alone, together, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        assert b.finish_reason == a.finish_reason
+        assert b.routed_experts is not None
+        assert (b.routed_experts == a.routed_experts).all()
+    cfg = engine.model.config
+    for i, r in enumerate(together):
+        rows = len(request(i).prompt_token_ids) + len(r.token_ids) - 1
+        assert r.routed_experts.shape == (rows, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert wait_idle(engine)
+
+
+def test_batch_invariant_mode_is_bitwise(model_dir: Path) -> None:
+    pytest.importorskip("kernels.batch_invariant")
+    engine = TorchEngine.load(model_dir, max_batch=4, batch_invariant=True)
+    try:
+        alone = [asyncio.run(engine.generate(request(i))) for i in range(4)]
+        together = asyncio.run(staggered(engine, 4))
+    finally:
+        engine.close()
+    for a, b in zip(alone, together, strict=True):
+        assert (b.token_ids, b.logprobs) == (a.token_ids, a.logprobs)
+
+
+def test_stream_matches_generate_and_closing_it_cancels(engine: TorchEngine) -> None:
+    req = GenerationRequest(prompt_token_ids=[5, 6, 7], max_tokens=12, temperature=1.0, seed=3)
+
+    async def run() -> tuple[str, GenerationResult, GenerationResult]:
+        text = ""
+        async for delta in engine.stream(req):
+            text += delta.text
+        whole = await engine.generate(req)
+        stream = engine.stream(GenerationRequest(prompt_token_ids=[5, 6, 7], max_tokens=400))
+        await anext(stream)
+        await stream.aclose()  # the client went away
+        await asyncio.to_thread(wait_idle, engine)
+        return text, whole, await collect(engine.stream(req))
+
+    text, whole, again = asyncio.run(run())
+    assert text == whole.text
+    assert again.token_ids == whole.token_ids
+    assert wait_idle(engine)
+
+
+def test_padded_batch_joins_leaves_and_trims() -> None:
+    from transformers import DynamicCache
+
+    def row(length: int, fill: float) -> DynamicCache:
+        cache = DynamicCache()
+        cache.update(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), fill), 0)
+        return cache
+
+    batch = PaddedKVBatch()
+    batch.add(row(3, 1.0), 3)
+    batch.add(row(5, 2.0), 5)
+    assert batch.mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.positions.tolist() == [3, 5]
+    keys = batch.cache.layers[0].keys  # (B, H, S, D)
+    assert keys[0, :, :2].abs().sum() == 0 and (keys[0, :, 2:] == 1).all()
+    mask, positions = batch.step_inputs()
+    assert mask.shape == (2, 6) and positions.tolist() == [[3], [5]]
+    batch.cache.update(torch.full((2, 2, 1, 4), 3.0), torch.full((2, 2, 1, 4), 3.0), 0)  # forward
+    batch.advance()
+    batch.keep([0])  # the long row leaves: the pad columns of row 0 are trimmed
+    assert batch.mask.tolist() == [[1, 1, 1, 1]]
+    assert batch.cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 3.0]
+    assert batch.positions.tolist() == [4]
