@@ -58,7 +58,20 @@ def build_services(settings: Settings) -> Services:
                     tokenizer=engine.tokenizer, session_log=session_log, metrics=metrics)
 
 
+def start_release_follower(services: Services) -> None:
+    """Hot-swap every release announced on `releases` (serving/release_subscriber.py)."""
+    from serving.release_subscriber import follow_releases
+
+    metrics = getattr(services, "metrics", None)
+    services.replica = follow_releases(
+        services.engine, services.kafka, services.settings.resolved_artifact_store_url,
+        poll_timeout_ms=services.settings.release.poll_timeout_ms,
+        registry=metrics.registry if metrics is not None else None)
+
+
 def close_services(services: Services) -> None:
+    if services.replica is not None:
+        services.replica.stop()
     if services.session_log is not None:  # before the engine: in-flight choices log on exit
         services.session_log.close()
     if services.feedback is not None:
@@ -74,6 +87,8 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = services is None
         app.state.services = build_services(settings) if owned else services
+        if owned and settings.release.follow:
+            start_release_follower(app.state.services)
         try:
             yield
         finally:

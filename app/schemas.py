@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,6 +89,7 @@ class StatusResponse(BaseModel):
     completions: int
     feedback_accepted: int
     feedback_duplicates: int
+    replica: dict[str, Any] | None = None  # release follower: version, swaps, pauses, refusals
 
 
 class ReleaseRequest(BaseModel):

@@ -27,13 +27,10 @@ from app.settings import Settings
 from ingest.events import ReleasePublished, utcnow
 from ingest.log import EventProducer
 from kernels.weights import state_dict_sha256
+from trainer.artifacts import ArtifactStore, artifact_store_config, build_artifact_store
+from trainer.delta import encode_delta, encode_snapshot
+from trainer.delta_chain import apply_chain, plan_chain
 from trainer.eval_gate import build_eval_suite, gate
-from trainer.release_artifacts import (
-    apply_delta,
-    load_snapshot,
-    store_delta,
-    store_snapshot,
-)
 
 log = logging.getLogger(__name__)
 Weights = dict[str, torch.Tensor]
@@ -58,6 +55,15 @@ class ReleaseContext:
     @property
     def store_url(self) -> str:
         return self.settings.resolved_artifact_store_url
+
+    @property
+    def store(self) -> ArtifactStore:
+        return build_artifact_store(artifact_store_config(self.store_url))
+
+    def write(self, encoded: Any) -> str:
+        """Store an encoded release; returns its manifest URI."""
+        key = self.store.write_release(encoded.manifest, encoded.shards)
+        return f"{self.store_url.rstrip('/')}/{key}"
 
 
 def load_model(model_dir: Path) -> Any:
@@ -134,16 +140,14 @@ def chain_weights(ctx: ReleaseContext, release: Release) -> Weights:
         weights = load_file(str(cache))
         if state_dict_sha256(weights) == release.sha256:
             return weights
-    with Session(ctx.db) as session:
-        path = [release]
-        while path[-1].snapshot_uri is None:
-            parent = session.get(Release, path[-1].parent)
-            if parent is None:
-                raise ReleaseError(f"v{release.version}: chain has no snapshot")
-            path.append(parent)
-    weights = load_snapshot(path[-1].snapshot_uri or "")
-    for step in reversed(path[:-1]):
-        apply_delta(step.manifest_uri or "", weights)
+    store = ctx.store
+    weights = {n: t.detach().clone()  # any weights of the layout: a snapshot overwrites them
+               for n, t in load_model(ctx.settings.resolved_model_dir).state_dict().items()}
+    steps = plan_chain(None, release.version, store.releases())
+    apply_chain(weights, steps, lambda info: (store.read_manifest(info.version, info.kind),
+                                              store.shard_reader(info.version, info.kind)))
+    if state_dict_sha256(weights) != release.sha256:
+        raise ReleaseError(f"v{release.version}: the store rebuilds other weights")
     save_weights(weights, cache)
     return weights
 
@@ -156,9 +160,10 @@ def ensure_base(ctx: ReleaseContext) -> Release:
             return current
     weights = {n: t.detach().clone()
                for n, t in load_model(ctx.settings.resolved_model_dir).state_dict().items()}
-    uri = store_snapshot(ctx.store_url, 0, weights)
+    sha = state_dict_sha256(weights)
+    uri = ctx.write(encode_snapshot(weights, version=0, sha256=sha))
     base = Release(version=0, kind="snapshot", status="published",
-                   sha256=state_dict_sha256(weights), snapshot_uri=uri, manifest_uri=uri,
+                   sha256=sha, snapshot_uri=uri, manifest_uri=uri,
                    requested_by="system", reason="base model", published_at=utcnow())
     _publish(ctx, base)
     with Session(ctx.db) as session:
@@ -213,9 +218,10 @@ def _build(ctx: ReleaseContext, served: Release, path: Path, version: int,
     chain = served.chain_length + 1
     snapshot_uri = None
     if chain >= ctx.settings.release.snapshot_every:
-        snapshot_uri, chain = store_snapshot(ctx.store_url, version, weights), 0
-    manifest = store_delta(ctx.store_url, version, base_weights, weights,
-                           base_version=served.version)
+        snapshot_uri, chain = ctx.write(encode_snapshot(weights, version=version, sha256=sha)), 0
+    manifest = ctx.write(encode_delta(base_weights, weights, base_version=served.version,
+                                      target_version=version, base_sha256=served.sha256,
+                                      target_sha256=sha))
     with Session(ctx.db) as session:
         row = session.get(Release, version)
         assert row is not None

@@ -46,3 +46,4 @@ class ReleaseSettings(BaseModel):
                                   "<data_dir>/checkpoints/latest")
     eval: EvalSettings = HeldOutLossEval()
     poll_timeout_ms: int = Field(default=200, ge=10, description="replica subscriber poll")
+    follow: bool = Field(default=True, description="serving replicas hot-swap releases")

@@ -22,4 +22,5 @@ async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
         uptime_s=time.monotonic() - services.started_at,
         completions=services.counters.completions,
         feedback_accepted=services.counters.feedback_accepted,
-        feedback_duplicates=services.counters.feedback_duplicates)
+        feedback_duplicates=services.counters.feedback_duplicates,
+        replica=services.replica.status() if services.replica is not None else None)

@@ -14,6 +14,7 @@ from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import EventProducer, read_all
 from kernels.weights import state_dict_sha256
+from trainer.delta import BaseMismatchError, DeltaVerificationError, prepare
 from trainer.release import (
     ReleaseConflictError,
     ReleaseContext,
@@ -24,7 +25,6 @@ from trainer.release import (
     rollback_release,
     save_weights,
 )
-from trainer.release_artifacts import ReleaseIntegrityError, apply_delta
 
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
@@ -93,13 +93,14 @@ def test_delta_refuses_corruption_and_wrong_base(ctx: ReleaseContext, tmp_path: 
                                                  model_dir: Path) -> None:
     make_checkpoint(model_dir, tmp_path / "c.safetensors", scale=1e-3, seed=3)
     r1 = build_release(ctx, candidate=tmp_path / "c.safetensors")
+    store = ctx.store
+    manifest, reader = store.read_manifest(r1.version), store.shard_reader(r1.version)
     base = load_model(model_dir).state_dict()
-    wrong = {n: t + 1 for n, t in base.items()}
-    with pytest.raises(ReleaseIntegrityError, match="neither the base"):
-        apply_delta(r1.manifest_uri or "", dict(wrong))
-    shard = next(Path(r1.manifest_uri or "").parent.glob("shard-*"))
+    with pytest.raises(BaseMismatchError):
+        prepare({n: t + 1 for n, t in base.items()}, manifest, reader)
+    shard = Path(r1.manifest_uri or "").parent / manifest.shards[0].name
     blob = bytearray(shard.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    with pytest.raises(ReleaseIntegrityError, match="sha256 mismatch"):
-        apply_delta(r1.manifest_uri or "", dict(base))
+    with pytest.raises(DeltaVerificationError):
+        prepare(base, manifest, reader)

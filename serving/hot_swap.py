@@ -1,0 +1,87 @@
+"""Hot-swap: plan, prepare and verify a target version off the engine thread (with the codec
+of trainer/delta.py), then hand a commit to `Engine.swap_weights`, which runs it in place
+between decode steps once the requests in flight have finished.
+
+One delta step (the usual release, or a rollback: the same delta backwards) is prepared
+against the live weights, read-only, and committed as the changed bit patterns: the pause is
+that write. A longer chain or a snapshot (a replica far behind) is applied to a copy and
+swapped in whole. Any failed check raises `DeltaError` before a live weight is touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+
+import torch
+
+from kernels.weights import state_dict_sha256
+from serving.engine import Engine, ModelVersion
+from trainer.artifacts import ArtifactStore
+from trainer.delta import DeltaVerificationError, commit, prepare
+from trainer.delta_chain import ChainStep, ReleaseInfo, apply_chain, plan_chain
+
+Weights = MutableMapping[str, torch.Tensor]
+Commit = Callable[[Weights], object]
+
+
+def plan(store: ArtifactStore, current: ModelVersion, target: int) -> list[ChainStep]:
+    return plan_chain(current.number, target, store.releases())
+
+
+def prepare_commit(store: ArtifactStore, live: Weights, steps: list[ChainStep],
+                   expected_sha256: str) -> Commit:
+    """A verified commit that takes `live` to the plan's end; `live` is only read here."""
+    def open_release(info: ReleaseInfo):  # type: ignore[no-untyped-def]
+        return (store.read_manifest(info.version, info.kind),
+                store.shard_reader(info.version, info.kind))
+
+    if len(steps) == 1 and steps[0].release.kind == "delta":
+        manifest, reader = open_release(steps[0].release)
+        prepared = prepare(live, manifest, reader)
+        if prepared.reaches.sha256 != expected_sha256:
+            raise DeltaVerificationError(f"delta reaches {prepared.reaches.sha256[:12]}, the "
+                                         f"release says {expected_sha256[:12]}")
+        return lambda weights: commit(weights, prepared)
+    shadow = {n: t.detach().clone() for n, t in live.items()}
+    apply_chain(shadow, steps, open_release)
+    reached = state_dict_sha256(shadow)
+    if reached != expected_sha256:
+        raise DeltaVerificationError(f"chain reaches {reached[:12]}, the release says "
+                                     f"{expected_sha256[:12]}")
+
+    def copy_in(weights: Weights) -> None:
+        for name, tensor in shadow.items():
+            weights[name].copy_(tensor)
+    return copy_in
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    version: int
+    sha256: str
+    steps: int
+    prepare_s: float
+    paused_s: float  # admission paused: draining in-flight requests, then the commit
+    copy_s: float  # the in-place commit alone
+    live_sha256: str  # recomputed from the engine's weights after the swap
+    at: float
+
+
+def live_weights(engine: Engine, timeout_s: float = 120.0) -> Weights:
+    """The engine's state dict (tensors sharing its storage); only swaps write to them."""
+    return engine.call_between_steps(  # type: ignore[attr-defined,no-any-return]
+        lambda model: model.state_dict()).result(timeout=timeout_s)
+
+
+def swap(engine: Engine, store: ArtifactStore, version: ModelVersion, *,
+         timeout_s: float = 120.0) -> SwapRecord:
+    started = time.perf_counter()
+    live = live_weights(engine, timeout_s)
+    steps = plan(store, engine.version, version.number)
+    commit_fn = prepare_commit(store, live, steps, version.sha256)
+    prepare_s = time.perf_counter() - started
+    timing = engine.swap_weights(commit_fn, version).result(timeout=timeout_s)
+    return SwapRecord(version.number, version.sha256, len(steps), prepare_s, timing.paused_s,
+                      timing.copy_s, state_dict_sha256(live), time.time())

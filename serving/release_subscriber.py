@@ -1,0 +1,158 @@
+"""A serving replica's follower of the `releases` topic.
+
+Each replica reads every release: it assigns itself all partitions and reads from the start
+(no consumer group, so no group join and no replica steals another's records), building the
+release tree. After each poll the newest announcement (by `published_at`) is the target; the
+replica plans and prepares its weights on this thread while the engine keeps serving, then
+`Engine.swap_weights` copies them in between decode steps. A release that fails verification
+is refused, logged and recorded, and the replica keeps serving what it had.
+
+    subscriber = ReleaseSubscriber(engine, kafka, store)
+    subscriber.start(); ...; subscriber.status(); subscriber.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from ingest.config import KafkaConfig
+from ingest.events import EventDecodeError, ReleasePublished, decode
+from serving.engine import Engine, EngineError, ModelVersion
+from serving.hot_swap import SwapRecord, swap
+from trainer.artifacts import ArtifactNotFoundError, ArtifactStore
+from trainer.delta import DeltaError
+
+log = logging.getLogger(__name__)
+
+
+class ReleaseSubscriber:
+    def __init__(self, engine: Engine, kafka: KafkaConfig, store: ArtifactStore, *,
+                 poll_timeout_ms: int = 200) -> None:
+        self.engine = engine
+        self.kafka = kafka
+        self.store = store
+        self.poll_timeout_ms = poll_timeout_ms
+        self._newest: ReleasePublished | None = None
+        self._handled: tuple[int, str] | None = None  # (version, published_at) last acted on
+        self.swaps: list[SwapRecord] = []
+        self.refused: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="release-subscriber",
+                                        daemon=True)
+        self.ready = threading.Event()  # set once the topic has been read to its end
+
+    def start(self) -> ReleaseSubscriber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def status(self) -> dict[str, Any]:
+        last = self.swaps[-1] if self.swaps else None
+        return {"version": self.engine.version.number, "sha256": self.engine.version.sha256,
+                "swaps": len(self.swaps), "refused": len(self.refused),
+                "last_swap": asdict(last) if last else None,
+                "max_pause_s": max((s.paused_s for s in self.swaps), default=0.0),
+                "last_refusal": self.refused[-1] if self.refused else None}
+
+    # ---- subscriber thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        consumer = KafkaConsumer(bootstrap_servers=self.kafka.bootstrap, group_id=None,
+                                 enable_auto_commit=False,
+                                 request_timeout_ms=self.kafka.request_timeout_ms)
+        try:
+            topic = self.kafka.topics.releases
+            parts = [TopicPartition(topic, p)
+                     for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            consumer.assign(parts)
+            consumer.seek_to_beginning(*parts)
+            ends = consumer.end_offsets(parts)
+            while not self._stop.is_set():
+                for event in self._poll(consumer):
+                    if self._newest is None or event.published_at > self._newest.published_at:
+                        self._newest = event
+                if not self.ready.is_set() and all(consumer.position(p) >= ends[p]
+                                                   for p in parts):
+                    self.ready.set()
+                self._follow()
+        finally:
+            consumer.close()
+
+    def _poll(self, consumer: KafkaConsumer) -> Iterator[ReleasePublished]:
+        for records in consumer.poll(timeout_ms=self.poll_timeout_ms).values():
+            for rec in records:
+                try:
+                    yield decode(ReleasePublished, rec.value or b"")
+                except EventDecodeError as exc:
+                    log.error("releases@%d:%d undecodable, skipped: %s", rec.partition,
+                              rec.offset, exc)
+
+    def _follow(self) -> None:
+        target = self._newest
+        if target is None or self._handled == (target.version, str(target.published_at)):
+            return
+        self._handled = (target.version, str(target.published_at))
+        if (target.version, target.sha256) == (self.engine.version.number,
+                                               self.engine.version.sha256):
+            return
+        try:
+            record = swap(self.engine, self.store, ModelVersion(target.version, target.sha256))
+        except (DeltaError, ArtifactNotFoundError, EngineError, OSError) as exc:
+            log.error("refused release v%d (%s); still serving v%d: %s", target.version,
+                      target.kind, self.engine.version.number, exc)
+            self.refused.append({"version": target.version, "kind": target.kind,
+                                 "error": str(exc), "at": time.time()})
+            return
+        self.swaps.append(record)
+        if record.live_sha256 != record.sha256:
+            log.error("v%d: live weights hash to %s after the swap, expected %s",
+                      record.version, record.live_sha256[:12], record.sha256[:12])
+        log.info("now serving v%d (%d steps, prepared in %.3fs, paused %.1f ms)",
+                 record.version, record.steps, record.prepare_s, record.paused_s * 1000)
+
+
+def follow_releases(engine: Engine, kafka: KafkaConfig, store_url: str, *,
+                    poll_timeout_ms: int = 200, registry: Any = None) -> ReleaseSubscriber:
+    """Start following `releases`; with a Prometheus `registry`, export the served version
+    and the swap pauses there."""
+    from trainer.artifacts import artifact_store_config, build_artifact_store
+
+    store = build_artifact_store(artifact_store_config(store_url))
+    subscriber = ReleaseSubscriber(engine, kafka, store, poll_timeout_ms=poll_timeout_ms)
+    if registry is not None:
+        registry.register(_ReplicaCollector(subscriber))
+    return subscriber.start()
+
+
+class _ReplicaCollector:
+    """Prometheus view of a subscriber, read at scrape time."""
+
+    def __init__(self, subscriber: ReleaseSubscriber) -> None:
+        self.subscriber = subscriber
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.subscriber
+        last = s.swaps[-1] if s.swaps else None
+        yield GaugeMetricFamily("flywheel_model_version", "Model version being served",
+                                value=s.engine.version.number)
+        yield CounterMetricFamily("flywheel_release_swaps", "Releases swapped in",
+                                  value=len(s.swaps))
+        yield CounterMetricFamily("flywheel_release_refused", "Releases refused (verification)",
+                                  value=len(s.refused))
+        yield GaugeMetricFamily("flywheel_release_last_pause_seconds",
+                                "Admission pause of the last hot-swap",
+                                value=last.paused_s if last else 0.0)
+        yield GaugeMetricFamily("flywheel_release_last_copy_seconds",
+                                "In-place weight copy of the last hot-swap",
+                                value=last.copy_s if last else 0.0)
