@@ -26,6 +26,7 @@ def release_context(settings: Settings) -> Iterator[Any]:
 
     if settings.kafka_bootstrap is None:
         raise RuntimeError("settings.kafka_bootstrap is unset: the release worker needs Kafka")
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = make_db_engine(settings.resolved_database_url)
     producer = EventProducer(settings.kafka_config(settings.kafka_bootstrap),
                              client_id="flywheel-release")
