@@ -1,0 +1,28 @@
+"""The release admin API: bearer token required, 404/409 with reasons, 202 with a version."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+
+
+def test_release_routes_need_the_token_and_answer_with_reasons(settings: Settings) -> None:
+    settings = settings.model_copy(update={"release": settings.release.model_copy(
+        update={"follow": False})})
+    admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    with TestClient(create_app(settings)) as http:
+        assert http.get("/admin/releases").status_code == 401
+        assert http.post("/admin/releases", headers={"Authorization": "Bearer x"}
+                         ).status_code == 401
+        assert http.get("/admin/releases", headers=admin).json() == []
+        r = http.get("/admin/releases/3", headers=admin)
+        assert r.status_code == 404 and "v3" in r.text
+        r = http.post("/admin/releases", headers=admin, json={"reason": "test"})
+        assert r.status_code == 202, r.text
+        assert r.json()["version"] == 1 and r.json()["task_id"]
+        row = http.get("/admin/releases/1", headers=admin).json()
+        assert (row["status"], row["reason"]) == ("candidate", "test")
+        r = http.post("/admin/releases/1/rollback", headers=admin)
+        assert r.status_code == 409 and "head" in r.text
