@@ -184,7 +184,7 @@ class RolloutTrajectory(BaseModel):
     `token_ids`, `loss_mask` (1 = model token) and `logprobs` (behavior policy, 0 where the
     mask is 0) have one entry per token; `segment_lengths` splits them into the context windows
     (self-summarization starts a new one) and sums to their length. `routed_experts`, when
-    present, has one row per token (the last row of each segment is padding).
+    present, has one row per token (rows past what the engine routed are zero padding).
     """
 
     token_ids: PackedArray

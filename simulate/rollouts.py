@@ -1,0 +1,160 @@
+"""Group rollouts: G episodes of one task from the same Engine, scored by the task's tests.
+
+`TaskEnvironment` adapts `simulate.tools.ToolWorkspace` to the harness: one private workspace
+per episode, `run_tests` and the final score go through the sandbox, and sandbox results are
+cached by (task, file contents) since the tests are deterministic and a group often writes the
+same code many times. A group is returned as the `RolloutGroup` wire type (`ingest.events`).
+
+    group = await rollout_group(harness, task, group_size=8, workdir=tmp, cache=SandboxCache())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
+from simulate.harness import Harness, Segment, Trajectory
+from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
+from simulate.tasks import Task
+from simulate.tools import ToolParseError, ToolResult, ToolWorkspace, parse_tool_call
+
+SYSTEM_PROMPT = "Tools: write_file solution.py, run_tests, finish."
+
+
+class SandboxCache:
+    """Thread-safe memo of sandbox results keyed by the job's code, tests and files."""
+
+    def __init__(self) -> None:
+        self._results: dict[str, SandboxResult] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def run(self, job: SandboxJob) -> SandboxResult:
+        key = hashlib.sha256(job.model_dump_json(exclude={"limits", "policy"}).encode()).hexdigest()
+        with self._lock:
+            if key in self._results:
+                self.hits += 1
+                return self._results[key]
+        result = run_sandboxed(job)
+        with self._lock:
+            self.misses += 1
+            self._results[key] = result
+        return result
+
+
+class TaskEnvironment:
+    """One episode on one task: a `ToolWorkspace` whose tests run through a `SandboxCache`."""
+
+    def __init__(self, task: Task, root: Path, cache: SandboxCache) -> None:
+        self.task = task
+        self.workspace = ToolWorkspace.create(root, task)
+        self.cache = cache
+
+    def system_prompt(self) -> str:
+        return SYSTEM_PROMPT
+
+    def task_prompt(self) -> str:
+        return self.task.prompt
+
+    def step(self, text: str) -> tuple[str, bool]:
+        call = parse_tool_call(text)
+        if not isinstance(call, ToolParseError) and call.name == "run_tests" \
+                and not self.workspace.finished:
+            return _test_report(self.cache.run(self.workspace.sandbox_job())), False
+        result: ToolResult = self.workspace.step(text)
+        return result.observation, result.done
+
+    def test_result(self) -> SandboxResult:
+        return self.cache.run(self.workspace.sandbox_job())
+
+    def reward(self) -> float:
+        """Fraction of the tests that pass on the final workspace (1.0 = solved)."""
+        result = self.test_result()
+        if result.status == "passed":
+            return 1.0
+        return (result.tests_passed or 0) / max(1, result.tests_total or 1) * 0.5
+
+
+def _test_report(result: SandboxResult) -> str:
+    lines = [f"{result.status}: {result.tests_passed or 0}/{result.tests_total or 0} tests passed",
+             *result.failures[:2]]
+    return "\n".join(lines)[:400]
+
+
+async def rollout_group(harness: Harness, task: Task, *, group_size: int, cache: SandboxCache,
+                        workdir: Path | None = None, seed: int | None = None,
+                        policy_version: int | None = None) -> RolloutGroup:
+    """Run `group_size` episodes of `task` concurrently on the harness's engine."""
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="rollout-") as tmp:
+        envs = [TaskEnvironment(task, Path(tmp) / str(i), cache) for i in range(group_size)]
+        trajectories = await asyncio.gather(*(
+            harness.run(env, task_id=task.task_id, policy_version=policy_version,
+                        seed=None if seed is None else seed * 1000 + i)
+            for i, env in enumerate(envs)))
+    version = trajectories[0].policy_version
+    return to_event(task.task_id, trajectories, policy_version=version)
+
+
+def solved(trajectory: RolloutTrajectory) -> bool:
+    return trajectory.reward >= 1.0
+
+
+def to_event(task_id: str, trajectories: list[Trajectory], *, policy_version: int) -> RolloutGroup:
+    return RolloutGroup(group_id=uuid.uuid4().hex, task_id=task_id, policy_version=policy_version,
+                        trajectories=[pack_trajectory(t) for t in trajectories])
+
+
+def pack_trajectory(traj: Trajectory) -> RolloutTrajectory:
+    segments = traj.segments
+    routes = None
+    if all(s.routes is not None for s in segments):
+        # one row per token: each segment's routed rows, zero-padded to its length
+        routes = PackedArray.pack(np.concatenate([_pad_rows(s.routes, len(s)) for s in segments
+                                                  if s.routes is not None]), "int16")
+    return RolloutTrajectory(
+        token_ids=PackedArray.pack([t for s in segments for t in s.token_ids], "int32"),
+        loss_mask=PackedArray.pack([m for s in segments for m in s.loss_mask], "uint8"),
+        logprobs=PackedArray.pack([p for s in segments for p in s.logprobs], "float32"),
+        segment_lengths=PackedArray.pack([len(s) for s in segments], "int32"),
+        routed_experts=routes, reward=traj.reward, turns=traj.turns, finished=traj.finished)
+
+
+def _pad_rows(routes: np.ndarray, rows: int) -> np.ndarray:
+    routes = np.asarray(routes, dtype=np.int16)[:rows]
+    pad = np.zeros((rows - len(routes), *routes.shape[1:]), dtype=np.int16)
+    return np.concatenate([routes, pad])
+
+
+def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:
+    """The context windows of a packed trajectory (routes dropped: the trainer replays them
+    from `routed_experts` directly when it uses them)."""
+    ids, mask = traj.token_ids.unpack(), traj.loss_mask.unpack()
+    logprobs = traj.logprobs.unpack()
+    segments, start = [], 0
+    for length in traj.segment_lengths.unpack().tolist():
+        end = start + int(length)
+        segments.append(Segment(token_ids=ids[start:end].tolist(),
+                                loss_mask=mask[start:end].tolist(),
+                                logprobs=logprobs[start:end].tolist()))
+        start = end
+    return segments
+
+
+async def pass_at_1(harness: Harness, tasks: list[Task], *, cache: SandboxCache,
+                    workdir: Path | None = None, seed: int = 0) -> float:
+    """Fraction of `tasks` solved by one episode each (greedy when the harness temperature
+    is 0): every test passes on the final workspace."""
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="eval-") as tmp:
+        envs = [TaskEnvironment(t, Path(tmp) / str(i), cache) for i, t in enumerate(tasks)]
+        await asyncio.gather(*(harness.run(env, task_id=env.task.task_id, seed=seed + i)
+                               for i, env in enumerate(envs)))
+        passed = [env.test_result().status == "passed" for env in envs]
+    return sum(passed) / max(1, len(passed))

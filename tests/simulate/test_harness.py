@@ -1,0 +1,102 @@
+"""The harness on the real tiny model: ChatML token layout, loss mask, logprobs, summarization."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ingest.events import RolloutGroup, decode, encode
+from simulate.harness import SUMMARY_PREFIX, ChatTokens, Harness, HarnessConfig
+from simulate.rollouts import (
+    SYSTEM_PROMPT,
+    SandboxCache,
+    TaskEnvironment,
+    pack_trajectory,
+    rollout_group,
+    unpack_segments,
+)
+from simulate.tasks import BuiltinTaskSource
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    from serving.torch_engine import TorchEngine
+
+    e = TorchEngine.load(model_dir, seed=0, threads=1)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def task():
+    return next(t for t in BuiltinTaskSource(0.2).tasks() if t.task_id == "builtin/add_3")
+
+
+def test_chat_prompt_is_chatml(engine) -> None:
+    chat = ChatTokens(engine.tokenizer)
+    ids = chat.prompt("sys", "do it")
+    text = engine.tokenizer.decode(ids)
+    assert text == ("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\ndo it<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
+    chat = ChatTokens(engine.tokenizer)
+    harness = Harness(engine, chat, HarnessConfig(max_turns=2, max_tokens=12))
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
+    traj = asyncio.run(harness.run(env, task_id=task.task_id, seed=1))
+    (seg,) = traj.segments
+    assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs)
+    assert traj.turns == 2 and len(traj.texts) == 2
+    prompt = chat.prompt(SYSTEM_PROMPT, task.prompt)
+    assert seg.token_ids[:len(prompt)] == prompt and not any(seg.loss_mask[:len(prompt)])
+    # every model span ends at <|im_end|> or at max_tokens; observations are mask 0
+    assert all(lp < 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m)
+    assert all(lp == 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if not m)
+    observation = engine.tokenizer.decode([t for t, m in zip(seg.token_ids, seg.loss_mask,
+                                                             strict=True) if not m])
+    assert "<|im_start|>tool\n" in observation  # the tool answered between the model turns
+    assert 0 < traj.model_tokens <= 24
+    assert traj.reward == env.reward()
+
+
+def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path) -> None:
+    chat = ChatTokens(engine.tokenizer)
+    harness = Harness(engine, chat, HarnessConfig(max_turns=3, max_tokens=10,
+                                                  context_budget=40, max_summaries=1))
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
+    traj = asyncio.run(harness.run(env, task_id=task.task_id, seed=2))
+    assert traj.summaries == 1 and len(traj.segments) == 2
+    first, second = traj.segments
+    assert "Summarize your progress" in engine.tokenizer.decode(first.token_ids)
+    assert first.loss_mask[-2] == 1 or first.loss_mask[-3] == 1  # summary tokens are trained
+    assert SUMMARY_PREFIX in engine.tokenizer.decode(second.token_ids)
+    assert second.token_ids[:len(chat.turn("system", SYSTEM_PROMPT))] == \
+        chat.turn("system", SYSTEM_PROMPT)
+    packed = pack_trajectory(traj)
+    assert [s.token_ids for s in unpack_segments(packed)] == [first.token_ids, second.token_ids]
+
+
+def test_environment_rewards_a_correct_write(task, tmp_path: Path) -> None:
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
+    assert env.reward() == 0.0  # the prompt alone has no body
+    obs, done = env.step(f"<tool>write_file solution.py\n{task.prompt}{task.canonical_solution}"
+                         "</tool>")
+    assert not done and "wrote" in obs
+    obs, done = env.step("<tool>run_tests</tool>")
+    assert obs.startswith("passed: 4/4") and not done
+    assert env.step("<tool>finish</tool>")[1] and env.reward() == 1.0
+
+
+def test_group_travels_as_wire_type(engine, task, tmp_path: Path) -> None:
+    chat = ChatTokens(engine.tokenizer)
+    harness = Harness(engine, chat, HarnessConfig(max_turns=1, max_tokens=6))
+    group = asyncio.run(rollout_group(harness, task, group_size=3, cache=SandboxCache(),
+                                      workdir=tmp_path, seed=0))
+    assert len(group.trajectories) == 3 and group.policy_version == engine.version.number
+    again = decode(RolloutGroup, encode(group))
+    assert again.trajectories[0].token_ids.tolist() == group.trajectories[0].token_ids.tolist()
+    if group.trajectories[0].routed_experts is not None:
+        assert group.trajectories[0].routed_experts.shape[0] == len(group.trajectories[0].token_ids)

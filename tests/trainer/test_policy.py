@@ -1,0 +1,44 @@
+"""Policy logprobs on the real tiny model agree with what the engine sampled."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from serving.engine import GenerationRequest
+from trainer.policy import Policy
+
+
+def test_policy_logprobs_match_engine_behavior_logprobs(model_dir: Path) -> None:
+    from serving.torch_engine import TorchEngine
+
+    policy = Policy.load(model_dir, lr=1e-3)
+    engine = TorchEngine.load(model_dir, seed=0, threads=1)
+    try:
+        prompt = engine.tokenizer.encode("def add_3(x):\n", add_special_tokens=False)
+        result = asyncio.run(engine.generate(GenerationRequest(
+            prompt_token_ids=prompt, max_tokens=12, temperature=0.7, seed=3)))
+    finally:
+        engine.close()
+    tokens = prompt + result.token_ids
+    mask = [0] * len(prompt) + [1] * len(result.token_ids)
+    batch = policy.batch([tokens, prompt], [mask, [0] * len(prompt)])  # padded second row
+    with torch.no_grad():
+        logp = policy.token_logprobs(batch, temperature=0.7)
+    trained = logp[0, len(prompt):]
+    assert torch.allclose(trained, torch.tensor(result.logprobs), atol=1e-3)
+    assert batch.loss_mask[1].sum() == 0  # padding never trains
+
+
+def test_optimizer_step_changes_weights_and_version(model_dir: Path) -> None:
+    policy = Policy.load(model_dir, lr=1e-2)
+    before = policy.state_dict()
+    batch = policy.batch([[5, 6, 7, 8]], [[0, 1, 1, 1]])
+    loss = -(policy.token_logprobs(batch) * batch.loss_mask).sum()
+    loss.backward()
+    policy.optimizer_step()
+    after = policy.state_dict()
+    assert policy.version == 1
+    assert any(not torch.equal(before[k], after[k]) for k in before)
