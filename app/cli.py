@@ -99,6 +99,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(settings, completions=args.completions)
 
 
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    settings = _settings(args)
+    overrides = {k: v for k, v in (("max_steps", args.max_steps),
+                                   ("time_budget_s", args.time_budget_s),
+                                   ("midtrain_steps", args.midtrain_steps),
+                                   ("mode", args.mode)) if v is not None}
+    cfg = settings.bootstrap.model_copy(update=overrides)
+    run_dir = args.run_dir or cfg.run_dir or (
+        settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
+    from trainer.init_model import init_model  # torch from here on
+    from trainer.offline import run_bootstrap
+
+    model_dir = settings.resolved_model_dir
+    if settings.model_dir is None:
+        init_model(settings.model, model_dir)
+    summary = run_bootstrap(cfg, model_dir, run_dir, progress=not args.no_progress)
+    print(f"run dir: {run_dir}", file=sys.stderr)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_common(sub.add_parser("join", help="join sessions with feedback into experiences"))
     p.add_argument("--bootstrap", help="Kafka bootstrap (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
     p.set_defaults(func=cmd_join)
+    p = with_common(sub.add_parser("bootstrap", help="mid-train + GRPO on verifiable tasks"))
+    p.add_argument("--run-dir", type=Path, help="default: <data-dir>/runs/bootstrap-<time>")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--time-budget-s", type=float, help="GRPO wall budget")
+    p.add_argument("--midtrain-steps", type=int)
+    p.add_argument("--mode", choices=["async", "sync"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bootstrap)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4)
     p.add_argument("--port", type=int, help="API port (default: a free one)")

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
+from trainer.bootstrap_config import BootstrapSettings
 from trainer.config import TinyMoeSettings
 from trainer.online_config import OnlineTrainerSettings
 from trainer.release_config import ReleaseSettings
@@ -58,6 +59,7 @@ class Settings(BaseSettings):
     kafka: KafkaClientSettings = KafkaClientSettings()
     engine: EngineSettings = EngineSettings()
     model: TinyMoeSettings = TinyMoeSettings()
+    bootstrap: BootstrapSettings = BootstrapSettings()
     release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()
     online: OnlineTrainerSettings = OnlineTrainerSettings()

@@ -1,0 +1,33 @@
+"""A short end-to-end bootstrap on the real tiny model: artefacts and the final JSON line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+
+
+def test_bootstrap_smoke_writes_run_dir_and_json_line(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for key, value in {"GROUP_SIZE": "2", "GROUPS_PER_STEP": "1", "EVAL_TASKS": "3",
+                       "EVAL_EVERY": "1", "MAX_TOKENS": "8", "MAX_TURNS": "2",
+                       "MIDTRAIN_BATCH": "2"}.items():
+        monkeypatch.setenv(f"FLYWHEEL_BOOTSTRAP__{key}", value)
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(model_dir))
+    run_dir = tmp_path / "run"
+    code = main(["bootstrap", "--data-dir", str(tmp_path / "data"), "--run-dir", str(run_dir),
+                 "--max-steps", "2", "--midtrain-steps", "2", "--no-progress"])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "steps", "wall_s"}
+    assert summary["steps"] == 2 and 0.0 <= summary["pass_at_1_after"] <= 1.0
+    assert (run_dir / "reward.png").stat().st_size > 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "held_out_pass_at_1" in rows[-1]
+    details = json.loads((run_dir / "summary.json").read_text())
+    assert details["steps"] == 2 and (run_dir / "model" / "config.json").exists()

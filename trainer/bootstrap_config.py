@@ -1,0 +1,49 @@
+"""Configuration of `flywheel bootstrap`: mid-training, then pipelined GRPO on verifiable tasks.
+
+Composed into `app.settings.Settings` as `bootstrap` (FLYWHEEL_BOOTSTRAP__GROUP_SIZE=16); it
+imports no torch, so `flywheel --help` stays fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
+
+
+class BootstrapSettings(BaseModel):
+    """Defaults are tuned for the default tiny model on a 2-core CPU (about 10 minutes)."""
+
+    run_dir: Path | None = None  # default: <data_dir>/runs/bootstrap-<time>
+    tasks: TaskSourceConfig = Field(default_factory=BuiltinTasksConfig)
+    seed: int = 0
+    # mid-training
+    midtrain_steps: int = Field(default=150, ge=0)
+    midtrain_batch: int = Field(default=16, ge=1)
+    midtrain_lr: float = Field(default=3e-3, gt=0)
+    # GRPO
+    mode: Literal["async", "sync"] = "async"
+    group_size: int = Field(default=8, ge=2, le=128)
+    groups_per_step: int = Field(default=4, ge=1)
+    max_staleness: int = Field(default=1, ge=0)
+    lr: float = Field(default=1e-3, gt=0)
+    temperature: float = Field(default=1.0, gt=0, le=2.0)
+    max_tokens: int = Field(default=40, ge=4)
+    max_turns: int = Field(default=3, ge=1)
+    context_budget: int = Field(default=1024, ge=64)
+    clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
+    is_cap: float = Field(default=2.0, gt=0)  # truncated IS against behavior logprobs
+    max_steps: int = Field(default=1000, ge=1)
+    time_budget_s: float = Field(default=540.0, gt=0)  # GRPO wall budget
+    eval_every: int = Field(default=10, ge=1)
+    eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
+    eval_tasks: int = Field(default=64, ge=1)
+    rollout_workers: int = Field(default=1, ge=1)
+    torch_threads: int = Field(default=1, ge=1)
+
+    @property
+    def staleness(self) -> int:
+        """The bound the gate enforces: 0 in sync mode (trainer and rollouts take turns)."""
+        return 0 if self.mode == "sync" else self.max_staleness

@@ -1,0 +1,332 @@
+"""Offline bootstrap: mid-training, then GRPO on group rollouts, pipelined with bounded staleness.
+
+`OfflineTrainer` is the learner (named phases: `forward_backward`, `step`, `state_dict`,
+`close`); `RolloutWorker` threads each own an engine and a harness and refresh the engine's
+weights in place from a `WeightStore` when the `StalenessGate` says they must. `run_bootstrap`
+wires them, evaluates held-out pass@1 before and after, and writes metrics and a plot.
+
+    flywheel bootstrap --data-dir data        # see docs/bootstrap.md
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ingest.events import RolloutGroup
+from kernels.weights import state_dict_sha256
+from serving.engine import ModelVersion
+from serving.torch_engine import TorchEngine
+from simulate.harness import ChatTokens, Harness, HarnessConfig
+from simulate.rollouts import SandboxCache, pass_at_1, rollout_group, solved, unpack_segments
+from simulate.tasks import Task
+from trainer.bootstrap_config import BootstrapSettings
+from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
+from trainer.pipeline import PipelineClosedError, StalenessGate
+from trainer.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+class OfflineTrainer:
+    """GRPO on `RolloutGroup`s: one optimizer step per trainer step."""
+
+    def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float) -> None:
+        self.policy = policy
+        self.loss = loss
+        self.temperature = temperature
+
+    def forward_backward(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        sequences, masks, behavior, advantages = [], [], [], []
+        rewards = []
+        for group in groups:
+            r = torch.tensor([t.reward for t in group.trajectories])  # (N,)
+            rewards.append(r)
+            adv = group_advantages(r[None])[0]  # (N,)
+            if float(r.std()) < 1e-6:
+                continue  # no signal in this group: every advantage is 0
+            for traj, a in zip(group.trajectories, adv.tolist(), strict=True):
+                for seg in unpack_segments(traj):
+                    sequences.append(seg.token_ids)
+                    masks.append(seg.loss_mask)
+                    behavior.append(seg.logprobs)
+                    advantages.append(a)
+        all_rewards = torch.cat(rewards)
+        metrics = {"reward": float(all_rewards.mean()),
+                   "solved": sum(solved(t) for g in groups for t in g.trajectories)
+                   / len(all_rewards), "trained_sequences": float(len(sequences))}
+        if not sequences:
+            return metrics | {"loss": 0.0}
+        batch = self.policy.batch(sequences, masks)
+        logp = self.policy.token_logprobs(batch, temperature=self.temperature)  # (B, T)
+        behavior_logp = batch.pad_like(behavior)  # (B, T)
+        loss, loss_metrics = grpo_loss(logp, logp.detach(), torch.tensor(advantages),
+                                       batch.loss_mask, config=self.loss,
+                                       behavior_logp=behavior_logp)
+        loss.backward()
+        mismatch = ((logp.detach() - behavior_logp).abs() * batch.loss_mask).max()
+        return metrics | loss_metrics | {"loss": float(loss),
+                                         "max_abs_logprob_diff": float(mismatch)}
+
+    def step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        metrics = self.forward_backward(groups)
+        if metrics["trained_sequences"] > 0:
+            metrics["grad_norm"] = self.policy.optimizer_step()
+        else:
+            self.policy.version += 1  # a step with no signal still advances the schedule
+        staleness = [self.policy.version - 1 - g.policy_version for g in groups]
+        return metrics | {"staleness_max": float(max(staleness))}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.policy.state_dict()
+
+    def close(self) -> None:
+        self.policy.optimizer.zero_grad(set_to_none=True)
+
+
+class WeightStore:
+    """The latest published weights; workers copy them into their engines in place."""
+
+    def __init__(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self._lock = threading.Lock()
+        self._version, self._state = version, state
+
+    def put(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._version, self._state = version, state
+
+    def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+        with self._lock:
+            return self._version, self._state
+
+
+def load_weights(engine: TorchEngine, version: int, state: dict[str, torch.Tensor]) -> None:
+    """Hot-swap `state` into a running engine between decode steps (no restart)."""
+    engine.call_between_steps(lambda model: model.load_state_dict(state)).result()
+    engine.set_version(ModelVersion(version, state_dict_sha256(state)))
+
+
+@dataclass
+class RolloutWorker:
+    """Makes the groups the gate asks for, with weights at least as fresh as it requires."""
+
+    engine: TorchEngine
+    harness: Harness
+    gate: StalenessGate[RolloutGroup]
+    weights: WeightStore
+    tasks: list[Task]
+    group_size: int
+    cache: SandboxCache
+    seed: int = 0
+    busy_s: float = 0.0
+    samples: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def run(self) -> None:
+        order = random.Random(self.seed)
+        try:
+            while True:
+                slot = self.gate.claim()
+                self.gate.wait_for_weights(slot.step)
+                version, state = self.weights.latest()
+                if version != self.engine.version.number:
+                    load_weights(self.engine, version, state)
+                start = time.monotonic()
+                task = order.choice(self.tasks)
+                group = asyncio.run(rollout_group(self.harness, task, group_size=self.group_size,
+                                                  cache=self.cache, seed=slot.index))
+                self.busy_s += time.monotonic() - start
+                self.samples += self.group_size
+                self.gate.submit(slot, group, policy_version=group.policy_version)
+        except PipelineClosedError:
+            return
+        except Exception as exc:  # surfaced by the trainer, which then stops the run
+            log.exception("rollout worker failed")
+            self.errors.append(repr(exc))
+            self.gate.close()
+
+
+def build_harness(engine: TorchEngine, cfg: BootstrapSettings, *,
+                  temperature: float) -> Harness:
+    return Harness(engine, ChatTokens(engine.tokenizer), HarnessConfig(
+        max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, temperature=temperature,
+        context_budget=cfg.context_budget))
+
+
+def make_engine(policy: Policy, *, seed: int) -> TorchEngine:
+    return TorchEngine(copy.deepcopy(policy.model).eval(), policy.tokenizer, seed=seed,
+                       max_batch=128)
+
+
+def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
+             cache: SandboxCache) -> float:
+    harness = build_harness(engine, cfg, temperature=cfg.eval_temperature)
+    return asyncio.run(pass_at_1(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
+
+
+def json_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=False)
+
+
+def append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class GrpoRun:
+    steps: int = 0
+    samples: int = 0
+    wall_s: float = 0.0
+    trainer_idle: float = 0.0
+    rollout_idle: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out pass@1)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / max(1e-9, self.wall_s)
+
+    def final_reward(self, last: int = 5) -> float:
+        rewards = [h["reward"] for h in self.history[-last:]]
+        return sum(rewards) / max(1, len(rewards))
+
+
+def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out: list[Task],
+             *, cache: SandboxCache, metrics_path: Path | None = None,
+             eval_engine: TorchEngine | None = None, progress: bool = True) -> GrpoRun:
+    """Pipelined GRPO until `max_steps` or `time_budget_s`; evaluates every `eval_every`."""
+    from tqdm import tqdm
+
+    loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
+    trainer = OfflineTrainer(policy, loss, temperature=cfg.temperature)
+    policy.set_lr(cfg.lr)
+    gate: StalenessGate[RolloutGroup] = StalenessGate(
+        groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
+        version=policy.version)
+    store = WeightStore(policy.version, trainer.state_dict())
+    workers = [RolloutWorker(make_engine(policy, seed=cfg.seed + i), None, gate, store,  # type: ignore[arg-type]
+                             train, cfg.group_size, cache, seed=cfg.seed + i)
+               for i in range(cfg.rollout_workers)]
+    for w in workers:
+        w.harness = build_harness(w.engine, cfg, temperature=cfg.temperature)
+    threads = [threading.Thread(target=w.run, name=f"rollout-{i}", daemon=True)
+               for i, w in enumerate(workers)]
+    run = GrpoRun()
+    start = time.monotonic()
+    gate.trainer_idle.started = gate.rollout_idle.started = start
+    for t in threads:
+        t.start()
+    bar = tqdm(total=cfg.max_steps, desc="grpo", disable=not progress, dynamic_ncols=True)
+    try:
+        for step in range(policy.version, policy.version + cfg.max_steps):
+            if time.monotonic() - start > cfg.time_budget_s:
+                break
+            try:
+                groups = gate.take_step(step)
+            except PipelineClosedError:
+                raise RuntimeError(f"rollout workers failed: {workers[0].errors}") from None
+            metrics = trainer.step(groups)
+            store.put(policy.version, trainer.state_dict())
+            gate.publish(policy.version)
+            run.steps += 1
+            run.samples += sum(len(g.trajectories) for g in groups)
+            record = {"step": run.steps, "wall_s": time.monotonic() - start} | metrics
+            if eval_engine is not None and run.steps % cfg.eval_every == 0:
+                load_weights(eval_engine, policy.version, store.latest()[1])
+                record["held_out_pass_at_1"] = evaluate(eval_engine, cfg, held_out, cache)
+                run.evals.append((run.steps, record["held_out_pass_at_1"]))
+            run.history.append(record)
+            if metrics_path is not None:
+                append_metrics(metrics_path, record)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", solved=f"{metrics['solved']:.2f}")
+    finally:
+        run.wall_s = time.monotonic() - start
+        run.trainer_idle = gate.trainer_idle.fraction()
+        busy = sum(w.busy_s for w in workers) / len(workers)
+        run.rollout_idle = max(0.0, 1.0 - busy / max(1e-9, run.wall_s))
+        gate.close()
+        bar.close()
+        for t in threads:
+            t.join(timeout=60)
+        for w in workers:
+            w.engine.close()
+        trainer.close()
+    return run
+
+
+def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [h["step"] for h in run.history]
+    ax.plot(steps, [h["reward"] for h in run.history], label="rollout reward", alpha=0.6)
+    ax.plot(steps, [h["solved"] for h in run.history], label="rollouts solved", alpha=0.6)
+    ax.plot([0, *[s for s, _ in run.evals]], [before, *[p for _, p in run.evals]], "o-",
+            label="held-out pass@1")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.set_title("flywheel bootstrap")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
+                  progress: bool = True) -> dict[str, Any]:
+    """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir."""
+    from simulate.tasks import build_task_source
+    from trainer.midtrain import midtrain
+
+    start = time.monotonic()
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = build_task_source(cfg.tasks)
+    train, held_out = source.split("train"), source.split("held_out")
+    random.Random(cfg.seed).shuffle(held_out)
+    policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
+    chat = ChatTokens(policy.tokenizer)
+    mid = midtrain(policy, chat, train, steps=cfg.midtrain_steps, batch_size=cfg.midtrain_batch,
+                   lr=cfg.midtrain_lr, seed=cfg.seed)
+    cache = SandboxCache()
+    eval_engine = make_engine(policy, seed=cfg.seed)
+    try:
+        before = evaluate(eval_engine, cfg, held_out, cache)
+        midtrain_s = time.monotonic() - start
+        run = run_grpo(policy, cfg, train, held_out, cache=cache, eval_engine=eval_engine,
+                       metrics_path=run_dir / "metrics.jsonl", progress=progress)
+        if not run.evals or run.evals[-1][0] != run.steps:
+            load_weights(eval_engine, policy.version, policy.state_dict())
+            run.evals.append((run.steps, evaluate(eval_engine, cfg, held_out, cache)))
+        after = run.evals[-1][1]
+    finally:
+        eval_engine.close()
+    policy.save(run_dir / "model")
+    plot_run(run, before, run_dir / "reward.png")
+    summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
+               "wall_s": round(time.monotonic() - start, 1)}
+    details = summary | {"midtrain_loss": mid.final_loss, "midtrain_and_eval_s": midtrain_s,
+                         "samples": run.samples, "samples_per_s": run.samples_per_s,
+                         "trainer_idle": run.trainer_idle, "rollout_idle": run.rollout_idle,
+                         "evals": run.evals, "held_out_tasks": min(len(held_out), cfg.eval_tasks),
+                         "sandbox_cache_hits": cache.hits, "sandbox_runs": cache.misses,
+                         "settings": json.loads(cfg.model_dump_json())}
+    (run_dir / "summary.json").write_text(json.dumps(details, indent=2))
+    return summary
