@@ -22,15 +22,52 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged, encode
-from ingest.log import EventProducer
 from ingest.spool import Spool, SpoolRecord
 
 log = logging.getLogger(__name__)
+
+
+class Producer(Protocol):
+    def send_raw(self, topic: str, key: str, value: bytes) -> Any: ...
+    def flush(self, timeout_s: float) -> None: ...
+    def abandon(self) -> None: ...
+
+
+class SessionProducer:
+    """`ingest.log.EventProducer`'s settings (acks=all, idempotence, zstd), plus what an outage
+    needs: bootstrap gives up after the request timeout (kafka-python waits 30 s by default),
+    and `abandon` really stops a producer whose batches expired (once a batch expires the
+    idempotent producer does not recover, even after the broker returns)."""
+
+    def __init__(self, config: KafkaConfig) -> None:
+        self._producer = KafkaProducer(
+            bootstrap_servers=config.bootstrap, client_id="flywheel-session-log", acks="all",
+            enable_idempotence=True, compression_type="zstd", linger_ms=config.linger_ms,
+            request_timeout_ms=config.request_timeout_ms,
+            delivery_timeout_ms=config.delivery_timeout_ms,
+            max_block_ms=config.request_timeout_ms,
+            bootstrap_timeout_ms=config.request_timeout_ms)
+
+    def send_raw(self, topic: str, key: str, value: bytes) -> Any:
+        return self._producer.send(topic, key=key.encode("utf-8"), value=value)
+
+    def flush(self, timeout_s: float) -> None:
+        self._producer.flush(timeout=timeout_s)
+
+    def abandon(self) -> None:
+        try:
+            self._producer.close(timeout=0)
+        except KafkaError:  # close() flushes first and raises before it force-closes
+            sender = getattr(self._producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
 
 
 @dataclass(frozen=True)
@@ -48,16 +85,15 @@ class SessionLog:
 
     def __init__(self, config: KafkaConfig, spool: Spool, *, max_queue: int = 10_000,
                  batch_size: int = 256, retry_s: float = 0.5,
-                 producer_factory: Callable[[], EventProducer] | None = None) -> None:
+                 producer_factory: Callable[[], Producer] | None = None) -> None:
         self.config = config
         self.topic = config.topics.sessions
         self.spool = spool
         self._queue: queue.Queue[GenerationLogged] = queue.Queue(maxsize=max_queue)
         self._batch_size = batch_size
         self._retry_s = retry_s
-        self._new_producer = producer_factory or (
-            lambda: EventProducer(config, client_id="flywheel-session-log"))
-        self._producer: EventProducer | None = None
+        self._new_producer = producer_factory or (lambda: SessionProducer(config))
+        self._producer: Producer | None = None
         self._stop = threading.Event()
         self._counts = threading.Lock()
         self._inflight = 0
@@ -103,7 +139,7 @@ class SessionLog:
         while records := self._drain(0):
             self._spill(records)
         if self._producer is not None:
-            self._producer.close(timeout_s=1.0)
+            self._producer.abandon()  # everything it held was acknowledged or spooled
         self.spool.close()
 
     # ---- sender thread ------------------------------------------------------------------
@@ -174,8 +210,5 @@ class SessionLog:
     def _reset_producer(self) -> None:
         """A fresh producer after a failure: expired batches leave the idempotent one stuck."""
         if self._producer is not None:
-            try:
-                self._producer.close(timeout_s=0)
-            except KafkaError as exc:
-                log.warning("session log: closing producer: %s", exc)
+            self._producer.abandon()
         self._producer = None
