@@ -114,9 +114,13 @@ def gaps_to_symbols(ordinals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def symbols_to_ordinals(symbols: np.ndarray, escapes: np.ndarray) -> np.ndarray:
-    gaps = symbols.astype(np.int64)
-    gaps[symbols == ESCAPE] = escapes.astype(np.int64)
-    return np.cumsum(gaps + 1) - 1
+    ordinals = symbols.astype(np.int64)
+    if escapes.size:
+        ordinals[symbols == ESCAPE] = escapes.astype(np.int64)
+    ordinals += 1
+    np.cumsum(ordinals, out=ordinals)
+    ordinals -= 1
+    return ordinals
 
 
 def values_to_symbols(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,8 +134,16 @@ def values_to_symbols(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def symbols_to_values(symbols: np.ndarray, escapes: np.ndarray, width: int) -> np.ndarray:
-    s = symbols.astype(np.int64)
-    values = np.where(s % 2 == 1, (s + 1) // 2, -(s + 2) // 2).astype(SINT[width])
-    out = values.view(UINT[width])
-    out[symbols == ESCAPE] = escapes
+    out = _ZIGZAG[width][symbols]
+    if escapes.size:
+        out[symbols == ESCAPE] = escapes
     return out
+
+
+def _zigzag_table(width: int) -> np.ndarray:
+    """Symbol -> wrapped difference, as a 256-entry lookup table (decoding is one gather)."""
+    s = np.arange(256, dtype=np.int64)
+    return np.where(s % 2 == 1, (s + 1) // 2, -(s + 2) // 2).astype(SINT[width]).view(UINT[width])
+
+
+_ZIGZAG = {width: _zigzag_table(width) for width in UINT}
