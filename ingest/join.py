@@ -139,40 +139,45 @@ class Join:
                 for f in fresh], conn)
             self.stats.sessions += len(sessions)
             self.stats.feedback += len(fresh)
-            self.match(conn, set(sessions) | {f.generation_id for f in fresh})
+            self.match(conn, set(sessions) | {f.generation_id for f in fresh},
+                       sessions, feedback)
 
-    def match(self, conn: Connection, generation_ids: set[str]) -> None:
+    def match(self, conn: Connection, generation_ids: set[str],
+              sessions: dict[str, GenerationLogged],
+              feedback: dict[str, FeedbackReceived]) -> None:
+        """Queue an experience for every pending feedback of `generation_ids` whose session
+        is stored; records of this poll are used as decoded, older ones decoded from SQL."""
         ids = sorted(generation_ids)
         for start in range(0, len(ids), 5000):
+            chunk = ids[start:start + 5000]
             rows = conn.execute(
-                select(JoinFeedback.payload, JoinSession.payload, JoinSession.generation_id)
+                select(JoinFeedback.event_id, JoinFeedback.payload, JoinSession.generation_id,
+                       JoinSession.payload)
                 .join(JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)
-                .where(JoinFeedback.state == PENDING,
-                       JoinFeedback.generation_id.in_(ids[start:start + 5000]))).all()
-            self._queue_matches(conn, rows)
+                .where(JoinFeedback.state == PENDING, JoinFeedback.generation_id.in_(chunk))
+            ).all()
+            if rows:
+                self._queue_matches(conn, rows, dict(sessions), feedback)
 
-    def _queue_matches(self, conn: Connection, rows: list[Any]) -> None:
-        if not rows:
-            return
-        decoded: dict[str, GenerationLogged] = {}
-        outbox, matched_ids, per_session = [], [], {}
-        for feedback_raw, session_raw, generation_id in rows:
-            session = decoded.get(generation_id) or decode(GenerationLogged, session_raw)
-            decoded[generation_id] = session
-            feedback = decode(FeedbackReceived, feedback_raw)
-            experience = build_experience(session, feedback,
-                                          reward_for(feedback, self.settings.rewards))
-            outbox.append({"experience_id": experience.experience_id,
-                           "event_id": feedback.event_id, "generation_id": generation_id,
+    def _queue_matches(self, conn: Connection, rows: list[Any],
+                       sessions: dict[str, GenerationLogged],
+                       feedback: dict[str, FeedbackReceived]) -> None:
+        outbox, matched_ids = [], []
+        for event_id, feedback_raw, generation_id, session_raw in rows:
+            session = sessions.get(generation_id)
+            if session is None:
+                session = sessions[generation_id] = decode(GenerationLogged, session_raw)
+            fb = feedback.get(event_id) or decode(FeedbackReceived, feedback_raw)
+            experience = build_experience(session, fb, reward_for(fb, self.settings.rewards))
+            outbox.append({"experience_id": experience.experience_id, "event_id": event_id,
+                           "generation_id": generation_id,
                            "payload": encode(experience).decode(), "produced": False})
-            matched_ids.append(feedback.event_id)
-            per_session[generation_id] = per_session.get(generation_id, 0) + 1
+            matched_ids.append(event_id)
         insert_new(self.db, JoinExperience, outbox, conn)
         conn.execute(update(JoinFeedback).where(JoinFeedback.event_id.in_(matched_ids))
                      .values(state=MATCHED))
-        for generation_id, n in per_session.items():
-            conn.execute(update(JoinSession).where(JoinSession.generation_id == generation_id)
-                         .values(matched=JoinSession.matched + n))
+        conn.execute(update(JoinSession).where(JoinSession.generation_id.in_(
+            {row[2] for row in rows})).values(matched=True))
 
     def drain(self) -> None:
         """Produce every unproduced experience, await the acks, then mark them produced."""

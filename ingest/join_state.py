@@ -12,8 +12,9 @@ Four tables, owned by `ingest.join`:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from sqlalchemy import Engine, Text, select, update
+from sqlalchemy import Engine, Text, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
@@ -26,7 +27,7 @@ class JoinSession(SQLModel, table=True):
     generation_id: str = Field(primary_key=True, max_length=128)
     payload: str = Field(sa_column=Column(Text, nullable=False))
     first_seen: float = Field(index=True)
-    matched: int = 0
+    matched: bool = False  # an experience came of it: expiry is then no loss
 
 
 class JoinFeedback(SQLModel, table=True):
@@ -60,13 +61,21 @@ TABLES = [JoinSession.__table__, JoinFeedback.__table__,  # type: ignore[attr-de
           JoinExperience.__table__, JoinProgress.__table__]  # type: ignore[attr-defined]
 
 
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
 def open_state(url: str) -> Engine:
     """Create the engine and the join's tables (idempotent)."""
     sqlite_url = url.startswith("sqlite")
     engine = create_engine(url, connect_args={"check_same_thread": False} if sqlite_url else {})
     if sqlite_url:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        # WAL + synchronous=NORMAL: a commit survives the process being killed (the OS holds
+        # the WAL); only a machine crash can lose the last ones, which Kafka re-delivers.
+        event.listen(engine, "connect", _sqlite_pragmas)
     SQLModel.metadata.create_all(engine, tables=TABLES)
     return engine
 
