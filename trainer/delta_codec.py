@@ -4,7 +4,7 @@
 a weight moves depends on its magnitude (a small weight has a small ulp). So it codes
 d = new - old on the integer bit pattern (sign-magnitude floats: +-1 ulp is d = +-1), splits
 the elements into classes by magnitude thresholds chosen per tensor, and stores per class only
-which members changed (gaps, one byte each) and by how much (one zigzag byte each), with
+which members changed (gaps, one byte each) and by how much (one signed byte each), with
 escape streams for rare big values; zstd then codes streams whose statistics are nearly
 order-0, which is what its Huffman stage is good at. Decoding touches each weight once, in
 cache-sized chunks, and keeps only the changed positions and their new bit patterns.
@@ -42,6 +42,8 @@ from trainer.delta_streams import (
     values_to_symbols,
     xxh3_hex,
 )
+
+DENSE_ABOVE = 16  # a decoded tensor with more than 1/16 changed is kept whole
 
 
 class CodecOptions(BaseModel):
@@ -232,7 +234,9 @@ def decode_sparse(
         raise CorruptStreamError("sparse codec: crosser positions outside the tensor")
     mask = magnitude_mask(dtype, width) if thresholds else None
     hasher = xxhash.xxh3_128()
-    scratch = np.empty(min(CHUNK, live.size), kind)
+    # Many changes: keep the whole new tensor (commit is then one memcpy, not a scatter).
+    dense = sum(counts) + crossers.size > live.size // DENSE_ABOVE
+    out = np.empty(live.size if dense else min(CHUNK, live.size), kind)
     cursor = _Cursor(ordinals, diffs)
     positions, values = [], []
     for start, classes in walk_classes(live, thresholds, mask, crossers):
@@ -240,15 +244,17 @@ def decode_sparse(
         lo, hi = np.searchsorted(crossers, [start, start + CHUNK])
         local, d = cursor.take(classes, crossers[lo:hi] - start, cross_d[lo:hi])
         new = chunk[local] - d if backward else chunk[local] + d
-        buf = scratch[: chunk.size]
+        buf = out[start : start + chunk.size] if dense else out[: chunk.size]
         buf[:] = chunk
         buf[local] = new
         hasher.update(buf.data)
-        positions.append(local + start)
-        values.append(new)
+        if not dense:
+            positions.append(local + start)
+            values.append(new)
     cursor.check_done()
-    update = SparseUpdate(_cat(positions, np.int64), _cat(values, kind))
-    return update, hasher.hexdigest()
+    if dense:
+        return DenseUpdate(out), hasher.hexdigest()
+    return SparseUpdate(_cat(positions, np.int64), _cat(values, kind)), hasher.hexdigest()
 
 
 class _Cursor:

@@ -1,5 +1,5 @@
 """Bit-pattern helpers of the delta codecs: views, hashes, zstd frames, magnitude classes,
-and the byte-symbol streams (gaps and zigzag values with escapes) that the sparse codec stores.
+and the byte-symbol streams (gaps and signed-byte values, with escapes) of the sparse codec.
 
 Everything here is a pure function over numpy arrays; trainer/delta_codec.py composes them.
 """
@@ -13,7 +13,8 @@ import xxhash
 import zstandard
 
 CHUNK = 1 << 18  # elements per decode step: keeps scratch and masks in cache
-ESCAPE = 255
+ESCAPE = 255  # gap byte that defers to the escape stream
+VALUE_ESCAPE = 0x80  # int8 -128: value byte that defers to the escape stream
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
@@ -124,26 +125,20 @@ def symbols_to_ordinals(symbols: np.ndarray, escapes: np.ndarray) -> np.ndarray:
 
 
 def values_to_symbols(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Nonzero wrapped differences -> (zigzag byte -1->0, +1->1, -2->2, ..., escapes raw)."""
+    """Nonzero wrapped differences -> (the difference as an int8 byte, -128 escaping to raw).
+
+    The byte is the difference itself so decoding is one sign-extending cast; zstd's Huffman
+    stage does not care which byte stands for which value.
+    """
     signed = diff.view(SINT[diff.dtype.itemsize])
     small = (signed >= -127) & (signed <= 127)
-    symbols = np.full(diff.shape, ESCAPE, np.uint8)
-    s = signed[small].astype(np.int64)
-    symbols[small] = np.where(s > 0, 2 * s - 1, -2 * s - 2)
+    symbols = np.full(diff.shape, VALUE_ESCAPE, np.uint8)
+    symbols[small] = signed[small].astype(np.int8).view(np.uint8)
     return symbols, diff[~small]
 
 
 def symbols_to_values(symbols: np.ndarray, escapes: np.ndarray, width: int) -> np.ndarray:
-    out = _ZIGZAG[width][symbols]
+    out = symbols.view(np.int8).astype(SINT[width]).view(UINT[width])
     if escapes.size:
-        out[symbols == ESCAPE] = escapes
+        out[symbols == VALUE_ESCAPE] = escapes
     return out
-
-
-def _zigzag_table(width: int) -> np.ndarray:
-    """Symbol -> wrapped difference, as a 256-entry lookup table (decoding is one gather)."""
-    s = np.arange(256, dtype=np.int64)
-    return np.where(s % 2 == 1, (s + 1) // 2, -(s + 2) // 2).astype(SINT[width]).view(UINT[width])
-
-
-_ZIGZAG = {width: _zigzag_table(width) for width in UINT}
