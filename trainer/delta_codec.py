@@ -217,7 +217,7 @@ def decode_sparse(
     thresholds: tuple[int, ...],
     counts: tuple[int, ...],
     backward: bool,
-) -> tuple[SparseUpdate, str]:
+) -> tuple[Update, str]:
     """Walk the live tensor in chunks: find each class's changed members, hash the result."""
     if len(frames) != 6 or len(counts) != len(thresholds) + 1:
         raise CorruptStreamError("sparse codec: wrong number of streams or class counts")
