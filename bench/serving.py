@@ -1,0 +1,182 @@
+"""Serving throughput and latency: the batching torch engine over HTTP vs HF `generate`.
+
+    .venv/bin/python bench/serving.py [--max-tokens 32] [--requests 8,32,64]
+
+Starts an embedded broker and the API (uvicorn on a thread of this process, the default tiny
+model, session logging on), sends non-streaming chat completions at concurrency 1, 8 and 32,
+and reports output tokens/s and p50/p99 request latency. The baseline serves the same kind of
+requests one by one with Hugging Face `model.generate` (a one-at-a-time server's tokens/s does
+not depend on the concurrency). Then p50 at concurrency 8 with logging on vs off (the same live
+server, its session log swapped for a discarding one), alternated to cancel drift.
+Ends with one JSON line: {"bench": "serving", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.settings import Settings  # noqa: E402
+from app.stack import running_broker  # noqa: E402
+from ingest.broker import free_port  # noqa: E402
+
+PROMPTS = ["def add(a, b):", "Write a function that reverses a string.", "def is_even(n):",
+           "Return the largest item of a list.", "def count_vowels(s):",
+           "Complete: for i in range(10):", "class Stack:", "import json\n\ndef load(path):"]
+
+
+class DiscardLog:
+    """Session logging off: accepts and drops."""
+
+    def submit(self, event: Any) -> None:
+        pass
+
+
+def body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": "flywheel", "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+
+
+async def load(base_url: str, concurrency: int, n: int, max_tokens: int
+               ) -> tuple[float, list[float], int]:
+    """(wall seconds, per-request latencies in s, output tokens) for n requests."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    tokens = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        async def one(i: int) -> None:
+            nonlocal tokens
+            async with gate:
+                started = time.perf_counter()
+                r = await client.post("/v1/chat/completions", json=body(i, max_tokens))
+                latencies.append(time.perf_counter() - started)
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return time.perf_counter() - started, latencies, tokens
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values) * 1000, q))
+
+
+def baseline(model_dir: Path, n: int, max_tokens: int) -> tuple[float, list[float]]:
+    """HF generate, one request at a time: (tokens/s, per-request service times in s)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    warm = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():  # the first generate call pays one-off set-up
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4,
+                       pad_token_id=tok.pad_token_id)
+    tokens, times = 0, []
+    started = time.perf_counter()
+    for i in range(n):
+        text = tok.apply_chat_template([body(i, max_tokens)["messages"][0]], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        torch.manual_seed(i)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=0.8, top_p=1.0, max_new_tokens=max_tokens,
+                                 pad_token_id=tok.pad_token_id)
+        times.append(time.perf_counter() - t0)
+        tokens += out.shape[1] - ids.shape[1]
+    return tokens / (time.perf_counter() - started), times
+
+
+def serve(settings: Settings) -> tuple[Any, Any, threading.Thread]:
+    import uvicorn
+
+    from app.main import build_services, create_app
+
+    services = build_services(settings)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, services=services),
+                                           host=settings.host, port=settings.port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return services, server, thread
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", default="8,32,64", help="requests at c=1,8,32")
+    parser.add_argument("--baseline-requests", type=int, default=16)
+    parser.add_argument("--data-dir", type=Path)
+    args = parser.parse_args()
+    counts = dict(zip((1, 8, 32), (int(x) for x in args.requests.split(",")), strict=True))
+
+    from trainer.init_model import init_model
+
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    settings = Settings(data_dir=data_dir, port=free_port())
+    init_model(settings.model, settings.resolved_model_dir)
+    result: dict[str, Any] = {"bench": "serving", "tokens_per_s": {}, "p50_ms": {},
+                              "p99_ms": {}}
+    with running_broker(settings) as (bootstrap, _broker):
+        settings = settings.model_copy(update={"kafka_bootstrap": bootstrap})
+        services, server, thread = serve(settings)
+        base_url = f"http://{settings.host}:{settings.port}"
+        try:
+            asyncio.run(load(base_url, 8, 16, args.max_tokens))  # warm-up
+            for c, n in counts.items():
+                wall, lat, tokens = asyncio.run(load(base_url, c, n, args.max_tokens))
+                result["tokens_per_s"][str(c)] = round(tokens / wall, 1)
+                result["p50_ms"][str(c)] = round(pct(lat, 50), 1)
+                result["p99_ms"][str(c)] = round(pct(lat, 99), 1)
+                print(f"flywheel c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
+                      f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
+            real_log, on, off = services.session_log, [], []
+            for _ in range(5):  # logging on / off, alternated
+                for logging_on, into in ((True, on), (False, off)):
+                    services.session_log = real_log if logging_on else DiscardLog()
+                    _, lat, _ = asyncio.run(load(base_url, 8, counts[8], args.max_tokens))
+                    into.append(pct(lat, 50))
+            services.session_log = real_log
+            p50_on, p50_off = statistics.median(on), statistics.median(off)
+            print(f"p50 at c=8: logging on {p50_on:.1f} ms, off {p50_off:.1f} ms", flush=True)
+            real_log.flush(timeout_s=30)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            from app.main import close_services
+
+            close_services(services)
+    rate, times = baseline(settings.resolved_model_dir, args.baseline_requests, args.max_tokens)
+    result["baseline_tokens_per_s"] = {c: round(rate, 1) for c in ("1", "8", "32")}
+    result["baseline_p50_ms_c1"] = round(pct(times, 50), 1)
+    result["ratio_c32"] = round(result["tokens_per_s"]["32"] / rate, 2)
+    result["logging_overhead_p50"] = round(p50_on / p50_off - 1, 4)
+    print(f"HF generate one by one: {rate:8.1f} tok/s  p50 {pct(times, 50):.1f} ms per request "
+          f"(c=1); ratio at c=32: {result['ratio_c32']}x; logging overhead p50 "
+          f"{result['logging_overhead_p50'] * 100:+.1f}%")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

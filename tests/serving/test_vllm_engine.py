@@ -1,0 +1,64 @@
+"""The vLLM backend: import-safe without vLLM, its output mapping on CPU, the engine on GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.settings import Settings
+from serving.engine import GenerationRequest
+from serving.vllm_engine import routes_array, token_logprobs
+
+
+@dataclass
+class Logprob:  # vLLM's per-token logprob record, as the adapter reads it
+    logprob: float
+    rank: int | None
+
+
+def test_module_imports_without_vllm() -> None:
+    assert "vllm" not in sys.modules or sys.modules["vllm"] is not None
+
+
+def test_logprob_entries_map_to_sampled_and_top_k() -> None:
+    entries = [{5: Logprob(-0.5, 2), 9: Logprob(-0.1, 1), 3: Logprob(-2.0, 3)},
+               {7: Logprob(-1.0, 1)}]
+    sampled, tops = token_logprobs([5, 7], entries, 2)
+    assert sampled == [-0.5, -1.0]
+    assert tops == [[(9, -0.1), (5, -0.5)], [(7, -1.0)]]
+    assert token_logprobs([5, 7], entries, 0) == ([-0.5, -1.0], [])
+
+
+def test_routes_are_trimmed_to_the_positions_fed() -> None:
+    raw = np.arange(5 * 4 * 2).reshape(5, 4, 2)
+    assert routes_array(raw, 4).shape == (4, 4, 2)
+    assert routes_array(raw, 4).dtype == np.int16
+    assert routes_array(raw, 6) is None and routes_array(None, 3) is None
+
+
+@pytest.mark.gpu
+def test_vllm_engine_generates_with_logprobs_and_routes(model_dir: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    from serving.vllm_engine import VllmEngine
+
+    engine = VllmEngine.load(model_dir, Settings(engine={"backend": "vllm"}).engine,
+                             gpu_memory_utilization=0.3)
+    try:
+        request = GenerationRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=8,
+                                    temperature=0.8, seed=1)
+        result = asyncio.run(engine.generate(request))
+        assert len(result.logprobs) == len(result.token_ids) >= 1
+        assert result.routed_experts is not None
+        assert result.routed_experts.shape[0] == 4 + len(result.token_ids) - 1
+        again = asyncio.run(engine.generate(request))
+        assert again.token_ids == result.token_ids
+    finally:
+        engine.close()
