@@ -163,14 +163,16 @@ class OnlineTrainer:
     @classmethod
     def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path) -> OnlineTrainer:
         """Build from the base model, then load the latest checkpoint under `root` if any."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import copy
+
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        pad_id = int(AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        reference = copy.deepcopy(model)
+        pad_id = int(model.config.pad_token_id)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
         trainer = cls(cfg, model, reference, pad_id, store)
         trainer.load_latest()
