@@ -17,6 +17,7 @@ from app.metrics import Metrics
 from app.routes import admin, completions, feedback, health, models
 from app.routes import metrics as metrics_route
 from app.routes import releases as releases_route
+from app.routes import trainer as trainer_route
 from app.services import Services
 from app.settings import Settings
 
@@ -100,6 +101,7 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
         app.include_router(module.router)
     app.include_router(models.router)
     app.include_router(metrics_route.router)
+    app.include_router(trainer_route.router)
     install_error_handlers(app)
     app.include_router(releases_route.router)
 

@@ -90,6 +90,7 @@ class StatusResponse(BaseModel):
     feedback_accepted: int
     feedback_duplicates: int
     replica: dict[str, Any] | None = None  # release follower: version, swaps, pauses, refusals
+    trainer: dict[str, Any] | None = None  # online trainer: step, consumed, lag, last release
 
 
 class ReleaseRequest(BaseModel):

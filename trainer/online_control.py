@@ -55,12 +55,16 @@ class TrainerStatus(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow)
 
 
+def ensure_control_tables(db: Engine) -> Engine:
+    tables = [TrainerCommand.__table__, TrainerStatus.__table__]  # type: ignore[attr-defined]
+    SQLModel.metadata.create_all(db, tables=tables)
+    return db
+
+
 def open_control_db(url: str) -> Engine:
     connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
-    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
-    SQLModel.metadata.create_all(
-        engine, tables=[TrainerCommand.__table__, TrainerStatus.__table__])  # type: ignore[attr-defined]
-    return engine
+    return ensure_control_tables(create_engine(url, connect_args=connect_args,
+                                               pool_pre_ping=True))
 
 
 def enqueue_command(db: Engine, kind: CommandKind, *, requested_by: str = "admin",

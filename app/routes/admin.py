@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter
 
 from app.deps import AdminDep, ServicesDep
+from app.routes.trainer import trainer_status
 from app.schemas import StatusResponse
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -23,4 +24,5 @@ async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
         completions=services.counters.completions,
         feedback_accepted=services.counters.feedback_accepted,
         feedback_duplicates=services.counters.feedback_duplicates,
-        replica=services.replica.status() if services.replica is not None else None)
+        replica=services.replica.status() if services.replica is not None else None,
+        trainer=trainer_status(services))
