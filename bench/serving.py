@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -126,6 +125,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests", default="8,32,64", help="requests at c=1,8,32")
     parser.add_argument("--baseline-requests", type=int, default=16)
+    parser.add_argument("--logging-rounds", type=int, default=8)
     parser.add_argument("--data-dir", type=Path)
     args = parser.parse_args()
     counts = dict(zip((1, 8, 32), (int(x) for x in args.requests.split(",")), strict=True))
@@ -151,13 +151,13 @@ def main() -> int:
                 print(f"flywheel c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
                       f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
             real_log, on, off = services.session_log, [], []
-            for _ in range(5):  # logging on / off, alternated
+            for _ in range(args.logging_rounds):  # on / off alternated: drift hits both
                 for logging_on, into in ((True, on), (False, off)):
                     services.session_log = real_log if logging_on else DiscardLog()
                     _, lat, _ = asyncio.run(load(base_url, 8, counts[8], args.max_tokens))
-                    into.append(pct(lat, 50))
+                    into.extend(lat)
             services.session_log = real_log
-            p50_on, p50_off = statistics.median(on), statistics.median(off)
+            p50_on, p50_off = pct(on, 50), pct(off, 50)
             print(f"p50 at c=8: logging on {p50_on:.1f} ms, off {p50_off:.1f} ms", flush=True)
             real_log.flush(timeout_s=30)
         finally:
@@ -170,6 +170,8 @@ def main() -> int:
     result["baseline_tokens_per_s"] = {c: round(rate, 1) for c in ("1", "8", "32")}
     result["baseline_p50_ms_c1"] = round(pct(times, 50), 1)
     result["ratio_c32"] = round(result["tokens_per_s"]["32"] / rate, 2)
+    result["ratio_c32_vs_own_c1"] = round(result["tokens_per_s"]["32"]
+                                          / result["tokens_per_s"]["1"], 2)
     result["logging_overhead_p50"] = round(p50_on / p50_off - 1, 4)
     print(f"HF generate one by one: {rate:8.1f} tok/s  p50 {pct(times, 50):.1f} ms per request "
           f"(c=1); ratio at c=32: {result['ratio_c32']}x; logging overhead p50 "

@@ -7,8 +7,9 @@ vLLM does the continuous batching, paged KV cache and CUDA graphs; this adapter 
   temperature, which is what `serving.sampling` reports and the trainer recomputes);
 - routed experts per position and MoE layer (`enable_return_routed_experts=True`, which needs
   the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported);
-- `swap_weights`: pause generation, load the prepared tensors into every worker in place
-  (`collective_rpc` into `FlywheelWorkerExtension`), resume; requests in flight finish first.
+- `swap_weights`: pause generation (requests in flight finish first), apply the caller's
+  verified commit to a host copy of the HF state dict, load it into every worker in place
+  (`collective_rpc` into `FlywheelWorkerExtension`), resume.
 
 Imported only when `settings.engine.backend == "vllm"` (see `serving.engine.build_engine`);
 nothing here imports vLLM at module import time. Written against vLLM 0.32's API.
@@ -23,7 +24,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,9 +98,11 @@ def routes_array(raw: Any, rows: int) -> np.ndarray | None:
 class VllmEngine:
     """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
-    def __init__(self, llm: Any, tokenizer: Any, version: ModelVersion, *,
+    def __init__(self, llm: Any, tokenizer: Any, version: ModelVersion, *, model_dir: Path,
                  max_context: int, seed: int = 0) -> None:
         self._llm = llm
+        self._model_dir = model_dir
+        self._host_state: dict[str, Any] | None = None  # HF-named weights, for swaps
         self.tokenizer = tokenizer
         self._version = version
         self._max_context = max_context
@@ -123,8 +126,8 @@ class VllmEngine:
         llm = AsyncLLM.from_engine_args(args)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         version = ModelVersion(version_number, sha256 or _weights_sha256(model_dir))
-        return cls(llm, tokenizer, version, max_context=int(llm.model_config.max_model_len),
-                   seed=settings.seed)
+        return cls(llm, tokenizer, version, model_dir=model_dir,
+                   max_context=int(llm.model_config.max_model_len), seed=settings.seed)
 
     @property
     def version(self) -> ModelVersion:
@@ -193,19 +196,25 @@ class VllmEngine:
                 return delta.result
         raise EngineError("generation ended without a result")
 
-    def swap_weights(self, prepared: Mapping[str, Any], version: ModelVersion
-                     ) -> concurrent.futures.Future[SwapTiming]:
-        """Pause generation (in-flight requests finish), load `prepared` in place, resume."""
+    def swap_weights(self, commit: Callable[[MutableMapping[str, Any]], object],
+                     version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:
+        """Pause generation (in-flight requests finish), run `commit` on the Hugging Face
+        state dict this engine keeps on the host, load the result into every worker in
+        place (vLLM maps HF names onto its fused layout), resume."""
         if self._loop is None:
             raise EngineError("swap_weights needs the engine's event loop (serve a request first)")
-        return asyncio.run_coroutine_threadsafe(self._swap(dict(prepared), version), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._swap(commit, version), self._loop)
 
-    async def _swap(self, prepared: dict[str, Any], version: ModelVersion) -> SwapTiming:
+    async def _swap(self, commit: Callable[[MutableMapping[str, Any]], object],
+                    version: ModelVersion) -> SwapTiming:
         requested = time.perf_counter()
+        if self._host_state is None:
+            self._host_state = _load_state(self._model_dir)
         await self._llm.pause_generation(wait_for_inflight_requests=True)
         try:
             started = time.perf_counter()
-            await self._llm.collective_rpc("flywheel_load_weights", args=(prepared,))
+            commit(self._host_state)
+            await self._llm.collective_rpc("flywheel_load_weights", args=(self._host_state,))
             await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
             self._version = version
         finally:
@@ -218,13 +227,19 @@ class VllmEngine:
         self._llm.shutdown()
 
 
-def _weights_sha256(model_dir: Path) -> str:
-    """The served version's sha256, from the safetensors on disk (same rule as the torch side)."""
+def _load_state(model_dir: Path) -> dict[str, Any]:
+    """The Hugging Face state dict on disk (all safetensors shards), on the host."""
     from safetensors.torch import load_file
-
-    from kernels.weights import state_dict_sha256
 
     tensors: dict[str, Any] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
-    return state_dict_sha256(tensors)
+    return tensors
+
+
+def _weights_sha256(model_dir: Path) -> str:
+    """The served version's sha256 over the weights on disk (same rule as the torch side;
+    tied weights saved once hash once here)."""
+    from kernels.weights import state_dict_sha256
+
+    return state_dict_sha256(_load_state(model_dir))

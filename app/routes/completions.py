@@ -12,10 +12,11 @@ A client that goes away cancels its generations (logged with finish_reason "canc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -188,7 +189,8 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
 
 
 # ---- running: all choices of a request at once, each logged exactly once ----------------
-async def run_choices(services: Services, p: Plan) -> AsyncIterator[tuple[Choice, GenerationDelta]]:
+async def run_choices(services: Services, p: Plan
+                      ) -> AsyncGenerator[tuple[Choice, GenerationDelta], None]:
     """Merge the choices' engine streams; on exit (done, error or cancel) log every choice."""
     events: asyncio.Queue[tuple[Choice, GenerationDelta | Exception | None]] = asyncio.Queue()
 
@@ -280,15 +282,33 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return str(tokenizer.decode([token]))
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character -> the byte it stands for."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
+
+
+def _token_bytes(tokenizer: Any, token: int, text: str) -> list[int]:
+    """The token's exact bytes (a byte-level token may hold part of a UTF-8 character)."""
+    piece = str(tokenizer.convert_ids_to_tokens(token))
+    table = _byte_decoder()
+    if token not in tokenizer.all_special_ids and piece and all(c in table for c in piece):
+        return [table[c] for c in piece]
+    return list(text.encode())
+
+
 def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float],
                    tops: list[TopLogprobs]) -> ChoiceLogprobs:
     content = []
     for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         text = _token_text(tokenizer, token)
         alternatives = [TopLogprob(token=(t := _token_text(tokenizer, a)), logprob=alp,
-                                   bytes=list(t.encode()))
+                                   bytes=_token_bytes(tokenizer, a, t))
                         for a, alp in (tops[i] if i < len(tops) else [])]
-        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
+        content.append(TokenLogprob(token=text, logprob=lp,
+                                    bytes=_token_bytes(tokenizer, token, text),
                                     top_logprobs=alternatives))
     return ChoiceLogprobs(content=content)
 

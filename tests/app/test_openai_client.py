@@ -43,8 +43,10 @@ def test_openai_client_chat_and_completions(settings: Settings) -> None:
         assert [c.index for c in chat.choices] == [0, 1]
         assert chat.usage is not None and chat.usage.completion_tokens == sum(
             len(c.logprobs.content) for c in chat.choices)  # type: ignore[union-attr]
-        assert all(len(c.logprobs.content[0].top_logprobs) == 3  # type: ignore[union-attr]
-                   for c in chat.choices)
+        for c in chat.choices:
+            assert len(c.logprobs.content[0].top_logprobs) == 3  # type: ignore[union-attr]
+            exact = b"".join(bytes(t.bytes) for t in c.logprobs.content)  # type: ignore[union-attr, misc]
+            assert exact.decode("utf-8", "replace") == c.message.content
 
         chunks = list(client.chat.completions.create(
             model="flywheel", messages=messages, max_tokens=8, seed=7, stream=True,
