@@ -1,10 +1,12 @@
 """Feedback intake: accepted webhook events into the `feedback` topic and the receipt ledger.
 
-Requests hand their events to one writer thread that takes everything queued at once (group
-commit): one SQL query finds the event ids already received, every new event is produced, all
-acks are awaited, then one INSERT records the receipts. A receipt is written only after the
-broker acknowledged its event, so a crash in between re-produces on retry (the join dedupes by
-event_id) and never loses one. Ids repeated inside a group, or in flight, count as duplicates.
+Requests hand their events to a few writer threads; each takes everything queued at once
+(group commit): one SQL query finds the event ids already received, every new event is
+produced, the producer is flushed and all acks awaited, then one INSERT records the receipts.
+A receipt is written only after the broker acknowledged its event, so a crash in between
+re-produces on retry (the join dedupes by event_id) and never loses one. Ids repeated inside a
+group count as duplicates; the same id racing in two groups at once may be produced twice
+(both replies say new), which the join's dedupe absorbs.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Engine, select
+from sqlalchemy import event as sa_event
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app.db import FeedbackReceipt
@@ -26,6 +30,13 @@ from ingest.log import EventProducer
 
 log = logging.getLogger(__name__)
 _ID_CHUNK = 5000  # ids per IN (...) query: under SQLite's and PostgreSQL's parameter limits
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 class FeedbackLogUnavailable(RuntimeError):
@@ -42,7 +53,8 @@ class FeedbackIntake:
     """Group-commits feedback events; `accept(events)` returns one duplicate flag per event."""
 
     def __init__(self, *, producer: EventProducer, topic: str, db: Engine,
-                 delivery_timeout_s: float, max_group_events: int = 5000) -> None:
+                 delivery_timeout_s: float, max_group_events: int = 5000,
+                 writers: int = 2) -> None:
         self.producer = producer
         self.topic = topic
         self.db = db
@@ -50,11 +62,15 @@ class FeedbackIntake:
         self.max_group_events = max_group_events
         self._queue: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._closed = False
-        if db.dialect.name == "sqlite":  # readers never wait on the writer
-            with db.connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-        self._thread = threading.Thread(target=self._run, name="feedback-intake", daemon=True)
-        self._thread.start()
+        if db.dialect.name == "sqlite":
+            # WAL: readers never wait on the writer; synchronous=NORMAL: a commit survives the
+            # process dying, a machine crash may lose the last receipts (re-produced on retry).
+            sa_event.listen(db, "connect", _sqlite_pragmas)
+            db.pool.dispose()  # pooled connections opened before the listener
+        self._threads = [threading.Thread(target=self._run, name=f"feedback-intake-{i}",
+                                          daemon=True) for i in range(writers)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, events: Sequence[FeedbackReceived]) -> Future[list[bool]]:
         if self._closed:
@@ -70,8 +86,10 @@ class FeedbackIntake:
         """Finish what is queued, then stop the writer thread."""
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-            self._thread.join(timeout=timeout_s)
+            for _ in self._threads:
+                self._queue.put(None)
+            for thread in self._threads:
+                thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         stopping = False
@@ -118,6 +136,7 @@ class FeedbackIntake:
         if fresh:
             futures = [self.producer.send(self.topic, e.generation_id, e)
                        for e in fresh.values()]
+            self.producer.flush(self.delivery_timeout_s)  # no linger: the group is the batch
             for future in futures:
                 future.get(timeout=self.delivery_timeout_s)
             self._record(list(fresh.values()))
