@@ -139,9 +139,13 @@ class EventConsumer:
         self._consumer.close()
 
 
-def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
-             timeout_s: float = 60.0) -> list[E]:
-    """Read a topic from the beginning up to its current end offsets, without a group."""
+def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
+             quiet_ms: int = 500) -> list[tuple[bytes | None, bytes]]:
+    """(key, value) of every record on `topic` from the beginning, without a group.
+
+    Reads to the end offsets the broker reports, then on until a poll of `quiet_ms` brings
+    nothing: Tansu's reported end can trail the last records of a compressed batch.
+    """
     import time
 
     from kafka import TopicPartition
@@ -149,18 +153,30 @@ def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
     consumer = KafkaConsumer(bootstrap_servers=config.bootstrap, enable_auto_commit=False,
                              group_id=None, request_timeout_ms=config.request_timeout_ms)
     try:
+        consumer.topics()  # full metadata first: partitions_for_topic may answer partially
         tps = [TopicPartition(topic, p)
                for p in sorted(consumer.partitions_for_topic(topic) or ())]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
-        events: list[E] = []
+        out: list[tuple[bytes | None, bytes]] = []
         deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
+        reached_end = False
+        while True:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{topic}: did not reach end offsets in {timeout_s:.0f}s")
-            for records in consumer.poll(timeout_ms=200).values():
-                events.extend(decode(event_type, r.value) for r in records)
-        return events
+                raise TimeoutError(f"{topic}: did not reach its end in {timeout_s:.0f}s")
+            batch = consumer.poll(timeout_ms=quiet_ms if reached_end else 200)
+            for records in batch.values():
+                out.extend((r.key, r.value or b"") for r in records)
+            if reached_end and not batch:
+                return out
+            reached_end = reached_end or all(consumer.position(tp) >= ends[tp] for tp in tps)
     finally:
         consumer.close()
+
+
+def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
+             timeout_s: float = 60.0) -> list[E]:
+    """Every record on `topic`, decoded as `event_type` (tests, the demo, operators)."""
+    return [decode(event_type, value) for _, value in read_raw(config, topic,
+                                                               timeout_s=timeout_s)]

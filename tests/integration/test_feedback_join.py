@@ -37,7 +37,7 @@ from ingest.events import (
     GenerationLogged,
     experience_id_for,
 )
-from ingest.log import EventProducer
+from ingest.log import EventProducer, read_raw
 from ingest.rewards import reward_for
 from tests.ingest.test_join import synthetic_session
 
@@ -45,25 +45,6 @@ pytestmark = pytest.mark.integration
 SECRET = "integration-secret"
 KINDS = ["accept", "reject", "thumbs_up", "thumbs_down", "copied", "regenerated",
          "followup_dissatisfied", "edit_kept"]
-
-
-def read_raw(kafka: KafkaConfig, topic: str) -> list[tuple[bytes | None, bytes]]:
-    """(key, value) of every record on `topic`, undecodable ones included."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
-    try:
-        consumer.topics()
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        assert len(tps) == kafka.topics.partitions, tps
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for records in consumer.poll(timeout_ms=200).values():
-                out.extend((r.key, r.value) for r in records)
-        return out
-    finally:
-        consumer.close()
 
 
 def topic_size(kafka: KafkaConfig, topic: str) -> int:
