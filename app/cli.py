@@ -96,7 +96,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.port is None:  # a demo must not collide with a running `flywheel up`
         settings = settings.model_copy(update={"port": 0})
-    return run_demo(settings, completions=args.completions)
+    if args.smoke:
+        return run_demo(settings, completions=args.completions)
+    from app.demo_loop import run_demo_loop
+
+    return run_demo_loop(settings, loop_s=args.loop_seconds, releases=args.releases)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -154,7 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bootstrap)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
-    p.add_argument("--completions", type=int, default=4)
+    p.add_argument("--completions", type=int, default=4, help="with --smoke")
+    p.add_argument("--smoke", action="store_true",
+                   help="only exercise the API and Kafka (no training loop)")
+    p.add_argument("--loop-seconds", type=float, default=480.0,
+                   help="budget of the full loop (users, join, trainer, releases)")
+    p.add_argument("--releases", type=int, default=3, help="releases to hot-swap in the loop")
     p.add_argument("--port", type=int, help="API port (default: a free one)")
     p.set_defaults(func=cmd_demo)
     return parser
