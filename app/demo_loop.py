@@ -52,7 +52,7 @@ def _version_number(fingerprint: str) -> int:
 
 
 def run_demo_loop(settings: Settings, *, loop_s: float = 480.0, releases: int = 3,
-                  concurrency: int = 6, min_per_version: int = 60) -> int:
+                  concurrency: int = 6, min_per_version: int = 200) -> int:
     from ingest.join import run_join
     from simulate.users import UserPopulation, aligned_prefix_preference
     from trainer.init_model import init_model

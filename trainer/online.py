@@ -391,6 +391,14 @@ class OnlineReport:
     releases: list[dict[str, Any]]
 
 
+def _write_json(path: Path, value: Any) -> None:
+    import json
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
 class TrainerControl(Protocol):
     def pending(self) -> list[Any]: ...
 
@@ -403,11 +411,12 @@ class OnlineLoop:
     """Poll -> batch -> step -> checkpoint -> commit; control commands; release cadence."""
 
     def __init__(self, trainer: OnlineTrainer, source: ExperienceSource, *,
-                 candidate_dir: Path, release_sink: ReleaseSink | None = None,
+                 candidate_dir: Path, latest_candidate: Path | None = None,
+                 release_sink: ReleaseSink | None = None,
                  control: TrainerControl | None = None,
                  on_step: Callable[[dict[str, float]], None] | None = None) -> None:
         self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
-        self.candidate_dir = candidate_dir
+        self.candidate_dir, self.latest_candidate = candidate_dir, latest_candidate
         self.release_sink, self.control, self.on_step = release_sink, control, on_step
         self.pending: list[Delivered[Any]] = []
         self.paused = False
@@ -445,10 +454,22 @@ class OnlineLoop:
         if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
             self.trainer.checkpoint()
             self.source.commit_offsets(self.trainer.state.offsets)  # only once durable
+            if self.latest_candidate is not None:  # what POST /admin/releases builds from
+                self.trainer.export_candidate(self.latest_candidate)
+                _write_json(self.latest_candidate.with_name(
+                    self.latest_candidate.name + ".provenance.json"), self.provenance())
         log.info("step %d %s", self.trainer.state.step, metrics)
         if self.on_step is not None:
             self.on_step(metrics)
         self._publish_status()
+
+    def provenance(self) -> dict[str, Any]:
+        """Steps not released yet, and the generation and feedback event ids they trained on."""
+        state = self.trainer.state
+        entries = self.trainer.ledger.between(state.release_from_step, state.step - 1)
+        return {"step_range": [state.release_from_step, state.step - 1],
+                "generation_ids": [g for e in entries for g in e.generation_ids],
+                "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
 
     def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
         """Hand the current weights to the release pipeline with their provenance."""
@@ -457,10 +478,7 @@ class OnlineLoop:
         if self.release_sink is None or state.step <= state.release_from_step:
             return {"released": False, "reason": "no sink" if self.release_sink is None
                     else "no new steps since the last release"}
-        entries = self.trainer.ledger.between(state.release_from_step, state.step - 1)
-        provenance = {"step_range": [state.release_from_step, state.step - 1],
-                      "generation_ids": [g for e in entries for g in e.generation_ids],
-                      "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
+        provenance = self.provenance()
         path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
         outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
                                             reason=reason)
@@ -519,6 +537,7 @@ def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
     source = ExperienceSource(kafka, group_id=cfg.group_id, dlq=dlq)
     try:
         loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                          latest_candidate=settings.resolved_candidate_path,
                           release_sink=release_sink, control=control, on_step=on_step)
         return loop.run(stop)
     finally:
