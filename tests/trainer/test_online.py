@@ -12,8 +12,9 @@ import torch
 from ingest.events import ExperienceReady, PackedArray, SamplingParams, experience_id_for, utcnow
 from ingest.log import Delivered
 from trainer.checkpoint import Ledger, LedgerEntry
-from trainer.online import OnlineTrainer, take_batch
+from trainer.online import OnlineTrainer
 from trainer.online_config import BatchMeanBaseline, OnlineTrainerSettings
+from trainer.online_loop import take_batch
 
 PROMPTS = ["def add(a, b):", "Write a function that reverses a string.", "def is_even(n):"]
 

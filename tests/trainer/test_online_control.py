@@ -11,19 +11,14 @@ import torch
 from app.settings import Settings
 from ingest.log import EventProducer
 from tests.trainer.test_online import make_experiences
-from trainer.online import (
-    ExperienceSource,
-    OnlineLoop,
-    OnlineTrainer,
-    ReleaseOutcome,
-    take_batch,
-)
+from trainer.online import OnlineTrainer, ReleaseOutcome
 from trainer.online_control import (
     SqlTrainerControl,
     enqueue_command,
     open_control_db,
     read_status,
 )
+from trainer.online_loop import ExperienceSource, OnlineLoop, take_batch
 
 
 class RecordingSink:

@@ -1,0 +1,280 @@
+"""The online trainer's loop: poll `experiences`, batch, step, checkpoint, commit, release.
+
+`ExperienceSource` is the `EventConsumer` on `experiences`, assigned every partition by hand
+and seeking to the offsets of the latest checkpoint; `take_batch` cuts a prefix of the polled
+records (so resuming after a batch is one offset per partition) and skips what the ledger has;
+`OnlineLoop` applies control commands (pause, resume, release), steps the trainer, checkpoints,
+commits Kafka offsets once the checkpoint is durable, and hands weights to the release
+pipeline every `release_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ingest.config import KafkaConfig
+from ingest.events import ExperienceReady
+from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics
+from trainer.checkpoint import Ledger
+from trainer.online import OnlineTrainer, ReleaseSink
+from trainer.online_config import OnlineTrainerSettings
+
+log = logging.getLogger(__name__)
+Offsets = dict[str, int]  # "topic:partition" -> next offset to read
+
+
+# ---- the experience source ----------------------------------------------------------------
+class ExperienceSource(EventConsumer):
+    """`EventConsumer` on `experiences`, assigned every partition by hand (no group rebalance
+    to wait for after a restart), seeking to checkpointed offsets, committing explicit ones."""
+
+    def __init__(self, config: KafkaConfig, *, group_id: str, dlq: EventProducer | None,
+                 max_poll_records: int = 500) -> None:
+        super().__init__(config, group_id=group_id,
+                         types={config.topics.experiences: ExperienceReady}, dlq=dlq,
+                         max_poll_records=max_poll_records)
+        from kafka import TopicPartition
+
+        self._consumer.unsubscribe()
+        topic = config.topics.experiences
+        parts = self._consumer.partitions_for_topic(topic) or set()
+        deadline = time.monotonic() + config.request_timeout_ms / 1000
+        while not parts and time.monotonic() < deadline:
+            time.sleep(0.1)
+            parts = self._consumer.partitions_for_topic(topic) or set()
+        self.partitions = [TopicPartition(topic, p) for p in sorted(parts)]
+        self._consumer.assign(self.partitions)
+
+    def seek(self, offsets: Offsets) -> None:
+        for tp in self.partitions:
+            offset = offsets.get(f"{tp.topic}:{tp.partition}")
+            if offset is not None:
+                self._consumer.seek(tp, offset)
+
+    def commit_offsets(self, offsets: Offsets) -> None:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        commits = {}
+        for key, offset in offsets.items():
+            topic, partition = key.rsplit(":", 1)
+            commits[TopicPartition(topic, int(partition))] = OffsetAndMetadata(offset, "", -1)
+        self._consumer.commit(commits)
+
+    def lag(self, offsets: Offsets) -> int:
+        ends = self._consumer.end_offsets(self.partitions)
+        return sum(max(0, end - offsets.get(f"{tp.topic}:{tp.partition}", 0))
+                   for tp, end in ends.items())
+
+
+@dataclass
+class Batch:
+    experiences: list[ExperienceReady]
+    offsets: Offsets  # where to resume after this batch
+    skipped: int
+
+
+def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
+               max_batch: int) -> Batch | None:
+    """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
+    None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
+
+    Taking a prefix keeps each partition's records in offset order, so "resume after this
+    batch" is one offset per partition: the last taken + 1.
+    """
+    fresh: set[str] = set()
+    taken: list[ExperienceReady] = []
+    cut = 0
+    for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
+        exp: ExperienceReady = record.event
+        if not (ledger.contains(exp.experience_id, exp.feedback_event_ids)
+                or exp.experience_id in fresh):
+            fresh.add(exp.experience_id)
+            taken.append(exp)
+            if len(taken) == max_batch:
+                break
+    if len(taken) < min_batch:
+        return None
+    offsets: Offsets = {}
+    for record in pending[:cut]:
+        offsets[f"{record.topic}:{record.partition}"] = record.offset + 1
+    del pending[:cut]
+    return Batch(taken, offsets, cut - len(taken))
+
+
+# ---- the loop -----------------------------------------------------------------------------
+@dataclass
+class OnlineReport:
+    steps: int
+    consumed: int
+    skipped: int
+    releases: list[dict[str, Any]]
+
+
+def _write_json(path: Path, value: Any) -> None:
+    import json
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+class TrainerControl(Protocol):
+    def pending(self) -> list[Any]: ...
+
+    def done(self, command_id: int, result: dict[str, Any]) -> None: ...
+
+    def publish(self, **fields: Any) -> None: ...
+
+
+class OnlineLoop:
+    """Poll -> batch -> step -> checkpoint -> commit; control commands; release cadence."""
+
+    def __init__(self, trainer: OnlineTrainer, source: ExperienceSource, *,
+                 candidate_dir: Path, latest_candidate: Path | None = None,
+                 release_sink: ReleaseSink | None = None,
+                 control: TrainerControl | None = None,
+                 on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+        self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
+        self.candidate_dir, self.latest_candidate = candidate_dir, latest_candidate
+        self.release_sink, self.control, self.on_step = release_sink, control, on_step
+        self.pending: list[Delivered[Any]] = []
+        self.paused = False
+        self.skipped = 0
+        self.releases: list[dict[str, Any]] = []
+        self._next_control = 0.0
+        self._checkpointed_step = trainer.state.step
+        source.seek(trainer.state.offsets)
+
+    def run(self, stop: threading.Event | None = None) -> OnlineReport:
+        stop = stop or threading.Event()
+        while not stop.is_set() and not self._done():
+            self._handle_control()
+            if self.paused:
+                stop.wait(self.cfg.control_every_s)
+                continue
+            self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
+            batch = take_batch(self.pending, self.trainer.ledger, min_batch=self.cfg.min_batch,
+                               max_batch=self.cfg.max_batch)
+            if batch is not None:
+                self._train(batch)
+            if time.time() - self.trainer.state.last_release_wall >= self.cfg.release_interval_s:
+                self.release(requested_by="trainer", reason="release_interval")
+        if self.trainer.state.step > self._checkpointed_step:  # a clean stop loses nothing
+            self._checkpoint()
+        self._publish_status()
+        return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
+                            self.releases)
+
+    def _done(self) -> bool:
+        return (self.cfg.stop_after is not None
+                and self.trainer.ledger.trained >= self.cfg.stop_after)
+
+    def _train(self, batch: Batch) -> None:
+        metrics = self.trainer.step(batch.experiences)
+        self.skipped += batch.skipped
+        self.trainer.state.offsets.update(batch.offsets)
+        if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
+            self._checkpoint()
+        log.info("step %d %s", self.trainer.state.step, metrics)
+        if self.on_step is not None:
+            self.on_step(metrics)
+        self._publish_status()
+
+    def _checkpoint(self) -> None:
+        self.trainer.checkpoint()
+        self._checkpointed_step = self.trainer.state.step
+        self.source.commit_offsets(self.trainer.state.offsets)  # only once durable
+        if self.latest_candidate is not None:  # what POST /admin/releases builds from
+            self.trainer.export_candidate(self.latest_candidate)
+            _write_json(self.latest_candidate.with_name(
+                self.latest_candidate.name + ".provenance.json"), self.provenance())
+
+    def provenance(self) -> dict[str, Any]:
+        """Steps not released yet, and the generation and feedback event ids they trained on."""
+        state = self.trainer.state
+        entries = self.trainer.ledger.between(state.release_from_step, state.step - 1)
+        return {"step_range": [state.release_from_step, state.step - 1],
+                "generation_ids": [g for e in entries for g in e.generation_ids],
+                "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
+
+    def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
+        """Hand the current weights to the release pipeline with their provenance."""
+        state = self.trainer.state
+        state.last_release_wall = time.time()
+        if self.release_sink is None or state.step <= state.release_from_step:
+            return {"released": False, "reason": "no sink" if self.release_sink is None
+                    else "no new steps since the last release"}
+        provenance = self.provenance()
+        path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
+        outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
+                                            reason=reason)
+        result = {"released": outcome.published, "version": outcome.version,
+                  "sha256": outcome.sha256, "reason": outcome.reason,
+                  "step_range": provenance["step_range"]}
+        if outcome.published:
+            weights = {n: t.detach().clone() for n, t in self.trainer.model.state_dict().items()}
+            self.trainer.set_reference(weights)  # the KL anchor follows the served release
+            state.release_from_step = state.step
+            state.last_release = {**result, "at": time.time()}
+        self.releases.append(result)
+        self._checkpoint()
+        self._publish_status()
+        return result
+
+    def _handle_control(self) -> None:
+        if self.control is None or time.monotonic() < self._next_control:
+            return
+        self._next_control = time.monotonic() + self.cfg.control_every_s
+        for command in self.control.pending():
+            if command.kind == "pause":
+                self.paused, result = True, {"paused": True}
+            elif command.kind == "resume":
+                self.paused, result = False, {"paused": False}
+            elif command.kind == "release":
+                result = self.release(requested_by=command.requested_by, reason=command.reason)
+            else:
+                result = {"error": f"unknown command {command.kind!r}"}
+            self.control.done(command.id, result)
+        self._publish_status()
+
+    def _publish_status(self) -> None:
+        if self.control is None:
+            return
+        state = self.trainer.state
+        last = state.last_release or {}
+        self.control.publish(step=state.step, consumed=self.trainer.ledger.trained,
+                             lag=self.source.lag(state.offsets), paused=self.paused,
+                             last_release_version=last.get("version"),
+                             last_release_step=(last.get("step_range") or [None, None])[1],
+                             metrics=self.trainer.last_metrics)
+
+
+def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
+               control: TrainerControl | None = None, stop: threading.Event | None = None,
+               on_step: Callable[[dict[str, float]], None] | None = None) -> OnlineReport:
+    """The `flywheel train-online` process: restore, consume, train, checkpoint, release."""
+    cfg: OnlineTrainerSettings = settings.online
+    if settings.kafka_bootstrap is None:
+        raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
+    root = cfg.resolved_checkpoint_dir(settings.data_dir)
+    trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root)
+    kafka = settings.kafka_config(settings.kafka_bootstrap)
+    ensure_topics(kafka)
+    dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
+    source = ExperienceSource(kafka, group_id=cfg.group_id, dlq=dlq)
+    try:
+        loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                          latest_candidate=settings.resolved_candidate_path,
+                          release_sink=release_sink, control=control, on_step=on_step)
+        return loop.run(stop)
+    finally:
+        source.close()
+        dlq.close()
+        trainer.close()
