@@ -49,18 +49,20 @@ def run_release(settings: Settings, *, version: int | None = None,
 
 
 def register(app: Celery) -> None:
+    # shared=False: each app's tasks close over that app's settings; a shared task would be
+    # registered on every later app too and run with the first app's settings.
     from app.celery_app import RELEASE_TASK, ROLLBACK_TASK, SANDBOX_TASK
 
     def settings() -> Settings:
         return app.conf.flywheel_settings  # type: ignore[no-any-return]
 
-    @app.task(name=RELEASE_TASK)
+    @app.task(name=RELEASE_TASK, shared=False)
     def build_release_task(version: int | None = None, candidate: str | None = None,
                            requested_by: str = "system", reason: str = "") -> dict[str, Any]:
         return run_release(settings(), version=version, candidate=candidate,
                            requested_by=requested_by, reason=reason)
 
-    @app.task(name=ROLLBACK_TASK)
+    @app.task(name=ROLLBACK_TASK, shared=False)
     def rollback_task(version: int, requested_by: str = "admin",
                       reason: str = "") -> dict[str, Any]:
         from trainer.release import rollback_release
@@ -69,7 +71,7 @@ def register(app: Celery) -> None:
             return rollback_release(ctx, version, requested_by=requested_by,
                                     reason=reason).model_dump(mode="json")
 
-    @app.task(name=SANDBOX_TASK)
+    @app.task(name=SANDBOX_TASK, shared=False)
     def run_sandboxed_task(job: dict[str, Any]) -> dict[str, Any]:
         from simulate.sandbox import SandboxJob, run_sandboxed
 
