@@ -25,12 +25,14 @@ SANDBOX_TASK = "flywheel.run_sandboxed"
 def _filesystem_folders(data_dir: Path) -> dict[str, Any]:
     root = (data_dir / "celery").resolve()
     queue, processed, results = root / "queue", root / "processed", root / "results"
-    for folder in (queue, processed, results):
+    control = root / "control"  # kombu's default is ./control in the working directory
+    for folder in (queue, processed, results, control):
         folder.mkdir(parents=True, exist_ok=True)
     return {"broker_transport_options": {"data_folder_in": str(queue),
                                          "data_folder_out": str(queue),
                                          "processed_folder": str(processed),
-                                         "store_processed": False},
+                                         "store_processed": False,
+                                         "control_folder": str(control)},
             "result_backend": f"file://{results}"}
 
 
