@@ -1,0 +1,27 @@
+"""HTTP routes change on purpose: regenerate with `python -m tests.app.test_routes_snapshot`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.main import create_app
+from app.settings import Settings
+
+SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "http_routes.json"
+
+
+def current_routes() -> list[str]:
+    app = create_app(Settings())  # building the app opens nothing: lifespan does
+    return sorted(f"{method} {route.path}" for route in app.routes
+                  for method in getattr(route, "methods", None) or ()
+                  if method not in {"HEAD", "OPTIONS"})
+
+
+def test_http_routes_snapshot() -> None:
+    assert json.loads(SNAPSHOT.read_text()) == current_routes()
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current_routes(), indent=1) + "\n")
+    print(f"wrote {SNAPSHOT}")
