@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completions", type=int, default=4, help="with --smoke")
     p.add_argument("--smoke", action="store_true",
                    help="only exercise the API and Kafka (no training loop)")
-    p.add_argument("--loop-seconds", type=float, default=480.0,
+    p.add_argument("--loop-seconds", type=float, default=360.0,
                    help="budget of the full loop (users, join, trainer, releases)")
     p.add_argument("--releases", type=int, default=4, help="releases to hot-swap in the loop")
     p.add_argument("--port", type=int, help="API port (default: a free one)")

@@ -53,7 +53,7 @@ def _version_number(fingerprint: str) -> int:
     return int(fingerprint.split("-")[1].lstrip("v"))  # "fw-v3-<sha12>"
 
 
-def run_demo_loop(settings: Settings, *, loop_s: float = 480.0, releases: int = 4,
+def run_demo_loop(settings: Settings, *, loop_s: float = 360.0, releases: int = 4,
                   concurrency: int = 6, min_per_version: int = 200) -> int:
     from ingest.join import run_join
     from simulate.users import UserPopulation, aligned_prefix_preference
