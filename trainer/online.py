@@ -16,6 +16,7 @@ the trainer (consumer, batching, control, releases) is trainer/online_loop.py.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import logging
 import time
@@ -43,20 +44,20 @@ Offsets = dict[str, int]  # "topic:partition" -> next offset to read
 
 
 # ---- baselines ---------------------------------------------------------------------------
-class Baseline:
+class Baseline(abc.ABC):
     """b_i for each row of a batch; `update` folds the batch in after the step."""
 
-    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor: ...
 
-    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:
-        pass
+    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:  # noqa: B027
+        """Stateless baselines (the batch mean) keep nothing across batches."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Nothing to restore for a stateless baseline."""
 
 
 class BatchMean(Baseline):
