@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy import Engine as DbEngine
 
 from app.feedback_intake import FeedbackIntake
+from app.metrics import Metrics
 from app.settings import Settings
 from ingest.config import KafkaConfig
-from app.metrics import Metrics
 from ingest.log import EventProducer
 from ingest.session_log import SessionLog
 from serving.engine import Engine
