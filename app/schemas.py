@@ -1,54 +1,16 @@
-"""HTTP request and response models (OpenAI-compatible where the OpenAI API defines them)."""
+"""HTTP request and response models of the feedback and admin routes.
+
+The OpenAI-compatible inference models live in `app/openai_schemas.py`.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from ingest.events import FeedbackKind
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    user: str | None = None
-    session_id: str | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    finish_reason: Literal["stop", "length"]
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChoice]
-    usage: Usage
 
 
 class FeedbackRequest(BaseModel):
