@@ -115,6 +115,11 @@ class Plan:
         return {GENERATION_HEADER: self.id,
                 GENERATION_IDS_HEADER: ",".join(c.generation_id for c in self.choices)}
 
+    def fingerprint(self, served: str) -> str:
+        """The version that produced the first choice; `served` when it produced nothing."""
+        result = self.choices[0].result
+        return result.version.fingerprint if result is not None else served
+
     def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.tokens) for c in self.choices)
@@ -330,8 +335,7 @@ def chat_response(services: Services, p: Plan) -> ChatCompletionResponse:
     tok = services.tokenizer
     return ChatCompletionResponse(
         id=p.id, created=p.created, model=p.model,
-        system_fingerprint=p.choices[0].result.version.fingerprint  # type: ignore[union-attr]
-        if p.choices[0].result else services.engine.version.fingerprint,
+        system_fingerprint=p.fingerprint(services.engine.version.fingerprint),
         choices=[ChatChoice(
             index=c.index, message=AssistantMessage(content=c.text),
             logprobs=_chat_logprobs(tok, c.tokens, c.logprobs, c.tops)
@@ -344,8 +348,7 @@ def completion_response(services: Services, p: Plan) -> CompletionResponse:
     tok = services.tokenizer
     return CompletionResponse(
         id=p.id, created=p.created, model=p.model,
-        system_fingerprint=p.choices[0].result.version.fingerprint  # type: ignore[union-attr]
-        if p.choices[0].result else services.engine.version.fingerprint,
+        system_fingerprint=p.fingerprint(services.engine.version.fingerprint),
         choices=[CompletionChoice(
             index=c.index, text=c.text,
             logprobs=_completion_logprobs(tok, c.tokens, c.logprobs, c.tops)
