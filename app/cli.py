@@ -32,6 +32,14 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
+def stop_on_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets, so long-running commands stop cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def cmd_init_model(args: argparse.Namespace) -> int:
     from trainer.init_model import init_model
 
@@ -45,9 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from app.stack import running_stack
 
     settings = _settings(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     with running_stack(settings) as stack:
         print(f"READY {stack.base_url}", flush=True)
         stop.wait()
@@ -62,9 +68,7 @@ def cmd_train_online(args: argparse.Namespace) -> int:
     if settings.kafka_bootstrap is None:
         print("flywheel train-online: set FLYWHEEL_KAFKA_BOOTSTRAP", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
     sink = None if args.no_release else PipelineReleaseSink(settings)
@@ -81,9 +85,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     if bootstrap is None:
         print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --bootstrap", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     run_join(settings.kafka_config(bootstrap), settings.join,
              database_url=settings.resolved_join_database_url, stop=stop)
