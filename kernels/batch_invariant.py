@@ -61,6 +61,10 @@ def _register() -> None:
     ExpertsInterface.register(IMPLEMENTATION, bi_experts_forward)
 
 
+class BatchInvariantUnsupported(NotImplementedError):
+    """A model layout or device the batch-invariant mode refuses rather than get wrong."""
+
+
 def bi_experts_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -72,7 +76,7 @@ def bi_experts_forward(
     sum of its experts' weighted outputs in ascending expert id, as in the eager loop.
     """
     if getattr(self, "is_transposed", False) or getattr(self, "has_bias", False):
-        raise NotImplementedError(f"{type(self).__name__}: transposed/biased experts")
+        raise BatchInvariantUnsupported(f"{type(self).__name__}: transposed/biased experts")
     n, k = top_k_index.shape
     experts, slot = top_k_index.sort(dim=-1)  # (N, K): each token's experts ascending
     weights = top_k_weights.gather(-1, slot)
@@ -155,7 +159,7 @@ def enable_batch_invariant(model: nn.Module) -> nn.Module:
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
     if any(p.is_cuda for p in model.parameters()):
-        raise NotImplementedError(
+        raise BatchInvariantUnsupported(
             "batch-invariant Triton kernels for CUDA are not written yet; "
             "serve with vLLM and VLLM_BATCH_INVARIANT=1"
         )
