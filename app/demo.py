@@ -16,10 +16,10 @@ import httpx
 from pydantic import SecretStr
 
 from app.settings import Settings
-from app.signing import SIGNATURE_HEADER, sign
 from app.stack import running_stack
 from ingest.events import FeedbackReceived, GenerationLogged
 from ingest.log import read_all
+from ingest.signing import SIGNATURE_HEADER, sign
 
 PROMPTS = [
     "def add(a, b):",

@@ -49,7 +49,7 @@ class Settings(BaseSettings):
 
     admin_token: SecretStr = SecretStr("flywheel-admin")
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
-    # Feedback webhook (app/signing.py): HMAC secrets, several while rotating, JSON list in
+    # Feedback webhook (ingest/signing.py): HMAC secrets, several while rotating, JSON list in
     # FLYWHEEL_FEEDBACK_SECRETS. Empty accepts unsigned webhooks (local use; warned at start).
     feedback_secrets: list[SecretStr] = Field(default_factory=list)
     feedback_tolerance_s: int = Field(default=300, ge=1, le=86_400)

@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
-from app.signing import SIGNATURE_HEADER, sign  # noqa: E402
 from ingest.broker import EmbeddedBroker, free_port  # noqa: E402
+from ingest.signing import SIGNATURE_HEADER, sign  # noqa: E402
 
 SECRET = "bench-secret"
 CONCURRENCY = 32

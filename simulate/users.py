@@ -3,7 +3,7 @@
 Each user sends chat completions to the OpenAI-compatible endpoint, judges the completion by a
 hidden preference (accept or reject), flips the judgment with probability `noise`, waits a
 random delay (people react late), and posts the verdict to the signed feedback webhook
-(`app/signing.py`). The population records, per served model version (`system_fingerprint`),
+(`ingest/signing.py`). The population records, per served model version (`system_fingerprint`),
 how many completions it accepted: the live acceptance rate the demo plots.
 
 The default preference: the completion starts with one of a hidden set of token strings. The
@@ -31,7 +31,7 @@ from typing import Protocol
 
 import httpx
 
-from app.signing import SIGNATURE_HEADER, sign
+from ingest.signing import SIGNATURE_HEADER, sign
 
 EDITOR_PROMPTS = [
     "def add(a, b):", "Complete: for i in range(10):", "def is_even(n):",

@@ -1,7 +1,7 @@
 """`POST /v1/feedback` and `POST /v1/feedback/batch`: signed webhooks into the `feedback` topic.
 
 The raw body (a FeedbackRequest, or {"events": [...]} for the batch) is checked against
-`Flywheel-Signature` (app/signing.py) before it is parsed: missing, unmatched or stale
+`Flywheel-Signature` (ingest/signing.py) before it is parsed: missing, unmatched or stale
 signatures are 401; an unreadable body is 422 naming the field; more bytes than
 `max_body_bytes` or more events than `feedback_batch_max` is 413. Replies 202 once the broker
 has acknowledged every new event; a repeated `event_id` is accepted (`duplicate: true`) and
@@ -25,8 +25,8 @@ from app.schemas import (
     FeedbackRequest,
 )
 from app.services import Services
-from app.signing import SIGNATURE_HEADER, SignatureError, verify
 from ingest.events import FeedbackReceived
+from ingest.signing import SIGNATURE_HEADER, SignatureError, verify
 
 router = APIRouter(tags=["feedback"])
 

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from app.settings import Settings
-from app.signing import SIGNATURE_HEADER, sign
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
 from ingest.events import FeedbackReceived
 from ingest.log import ensure_topics, read_all
+from ingest.signing import SIGNATURE_HEADER, sign
 
 SECRETS = ["new-secret", "old-secret"]
 

@@ -27,7 +27,6 @@ from kafka import KafkaConsumer, TopicPartition
 from pydantic import SecretStr
 
 from app.settings import Settings
-from app.signing import SIGNATURE_HEADER, sign
 from app.stack import running_stack
 from ingest.config import KafkaConfig, RewardMap
 from ingest.events import (
@@ -39,6 +38,7 @@ from ingest.events import (
 )
 from ingest.log import EventProducer, read_raw
 from ingest.rewards import reward_for
+from ingest.signing import SIGNATURE_HEADER, sign
 from tests.ingest.test_join import synthetic_session
 
 pytestmark = pytest.mark.integration

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.signing import SignatureError, parse_header, sign, signature, verify
+from ingest.signing import SignatureError, parse_header, sign, signature, verify
 
 BODY = b'{"event_id":"e-1","generation_id":"g-1","kind":"accept"}'
 NOW = 1_700_000_000
