@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     admin_token: SecretStr = SecretStr("flywheel-admin")
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     # Feedback webhook (ingest/signing.py): HMAC secrets, several while rotating, JSON list in
-    # FLYWHEEL_FEEDBACK_SECRETS. Empty accepts unsigned webhooks (local use; warned at start).
+    # FLYWHEEL_FEEDBACK_SECRETS. Required in production; empty in the embedded profile accepts
+    # unsigned webhooks (local use; warned at start).
     feedback_secrets: list[SecretStr] = Field(default_factory=list)
     feedback_tolerance_s: int = Field(default=300, ge=1, le=86_400)
     feedback_batch_max: int = Field(default=1000, ge=1, le=10_000)
@@ -72,6 +73,9 @@ class Settings(BaseSettings):
             if missing:
                 fields = ", ".join(f"FLYWHEEL_{m.upper()}" for m in missing)
                 raise ValueError(f"profile 'production' requires {fields}")
+            if not self.feedback_secrets:  # never accept unsigned feedback in production
+                raise ValueError("profile 'production' requires FLYWHEEL_FEEDBACK_SECRETS "
+                                 "(feedback_secrets): a JSON list of webhook HMAC secrets")
         return self
 
     # Derived locations and values: one place, so no caller re-derives them differently.

@@ -37,11 +37,14 @@ def test_embedded_is_the_default_and_needs_nothing(tmp_path: Path) -> None:
     assert s.kafka_config("127.0.0.1:1").session_timeout_ms == 6000
 
 
-def test_production_requires_kafka_and_postgres() -> None:
+def test_production_requires_kafka_postgres_and_feedback_secrets() -> None:
     with pytest.raises(ValidationError, match="FLYWHEEL_KAFKA_BOOTSTRAP"):
         Settings(profile="production")
-    s = Settings(profile="production", kafka_bootstrap="k:9092",
+    with pytest.raises(ValidationError, match="FLYWHEEL_FEEDBACK_SECRETS"):
+        Settings(profile="production", kafka_bootstrap="k:9092",
                  database_url="postgresql+psycopg://db/flywheel")
+    s = Settings(profile="production", kafka_bootstrap="k:9092",
+                 database_url="postgresql+psycopg://db/flywheel", feedback_secrets=["s"])
     assert s.kafka_config("k:9092").session_timeout_ms == 45000
 
 

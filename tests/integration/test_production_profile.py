@@ -6,6 +6,7 @@ tasks to a real worker.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -15,11 +16,13 @@ from sqlalchemy import text
 from app.settings import Settings
 from app.stack import running_stack
 from ingest.config import KafkaConfig
+from ingest.signing import SIGNATURE_HEADER, sign
 from tests.conftest import require_service
 
 pytestmark = pytest.mark.integration
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"
+SECRET = "production-webhook-secret"
 
 
 @pytest.fixture
@@ -32,11 +35,15 @@ def test_app_runs_on_postgres(postgres_url: str, kafka: KafkaConfig, tmp_path,
                               model_dir) -> None:
     settings = Settings(profile="production", kafka_bootstrap=kafka.bootstrap,
                         topics=kafka.topics, database_url=postgres_url, data_dir=tmp_path,
-                        model_dir=model_dir, port=0)
+                        model_dir=model_dir, port=0, feedback_secrets=[SECRET])
     event_id = f"pg-{uuid.uuid4().hex}"
+    body = json.dumps({"event_id": event_id, "generation_id": "g", "kind": "thumbs_up"}).encode()
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url) as http:
-        r = http.post("/v1/feedback", json={"event_id": event_id, "generation_id": "g",
-                                            "kind": "thumbs_up"})
+        unsigned = http.post("/v1/feedback", content=body,
+                             headers={"content-type": "application/json"})
+        assert unsigned.status_code == 401, unsigned.text
+        r = http.post("/v1/feedback", content=body, headers={
+            "content-type": "application/json", SIGNATURE_HEADER: sign(SECRET, None, body)})
         assert r.status_code == 202, r.text
     from sqlalchemy import create_engine
 
