@@ -27,9 +27,9 @@ import torch
 import zstandard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from kernels.delta import apply_delta, encode_delta, encode_snapshot
+from kernels.delta.streams import tensor_bits
 from kernels.weights import state_dict_sha256
-from trainer.delta import apply_delta, encode_delta, encode_snapshot
-from trainer.delta_streams import tensor_bits
 
 LINK_BYTES_PER_S = 10e9 / 8
 SETTINGS = (("lr1e-6_steps1", 1e-6, 1), ("lr1e-6_steps10", 1e-6, 10), ("lr1e-5_steps1", 1e-5, 1))

@@ -1,5 +1,5 @@
 """Hot-swap: plan, prepare and verify a target version off the engine thread (with the codec
-of trainer/delta.py), then hand a commit to `Engine.swap_weights`, which runs it in place
+of kernels/delta/state_dict.py), then hand a commit to `Engine.swap_weights`, which runs it in place
 between decode steps once the requests in flight have finished.
 
 One delta step (the usual release, or a rollback: the same delta backwards) is prepared
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.delta import DeltaVerificationError, commit, prepare
+from kernels.delta.chain import ChainStep, ReleaseInfo, apply_chain, plan_chain
+from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
 from serving.engine import Engine, ModelVersion
-from trainer.artifacts import ArtifactStore
-from trainer.delta import DeltaVerificationError, commit, prepare
-from trainer.delta_chain import ChainStep, ReleaseInfo, apply_chain, plan_chain
 
 Weights = MutableMapping[str, torch.Tensor]
 Commit = Callable[[Weights], object]

@@ -24,10 +24,10 @@ from kafka import KafkaConsumer, TopicPartition
 
 from ingest.config import KafkaConfig
 from ingest.events import EventDecodeError, ReleasePublished, decode
+from kernels.delta import DeltaError
+from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion
 from serving.hot_swap import SwapRecord, swap
-from trainer.artifacts import ArtifactNotFoundError, ArtifactStore
-from trainer.delta import DeltaError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def follow_releases(engine: Engine, kafka: KafkaConfig, store_url: str, *,
                     poll_timeout_ms: int = 200, registry: Any = None) -> ReleaseSubscriber:
     """Start following `releases`; with a Prometheus `registry`, export the served version
     and the swap pauses there."""
-    from trainer.artifacts import artifact_store_config, build_artifact_store
+    from kernels.delta.store import artifact_store_config, build_artifact_store
 
     store = build_artifact_store(artifact_store_config(store_url))
     subscriber = ReleaseSubscriber(engine, kafka, store, poll_timeout_ms=poll_timeout_ms)

@@ -26,10 +26,10 @@ from app.db import Release
 from app.settings import Settings
 from ingest.events import ReleasePublished, utcnow
 from ingest.log import EventProducer
+from kernels.delta import encode_delta, encode_snapshot
+from kernels.delta.chain import apply_chain, plan_chain
+from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
-from trainer.artifacts import ArtifactStore, artifact_store_config, build_artifact_store
-from trainer.delta import encode_delta, encode_snapshot
-from trainer.delta_chain import apply_chain, plan_chain
 from trainer.eval_gate import build_eval_suite, gate
 
 log = logging.getLogger(__name__)

@@ -21,11 +21,11 @@ from app.settings import Settings
 from app.stack import running_stack
 from ingest.events import ReleasePublished
 from ingest.log import EventProducer
+from kernels.delta import encode_delta
+from kernels.delta.store import artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from tests.trainer.test_release import make_checkpoint
-from trainer.artifacts import artifact_store_config, build_artifact_store
-from trainer.delta import encode_delta
 from trainer.release import load_model
 
 pytestmark = pytest.mark.integration

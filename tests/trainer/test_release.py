@@ -13,8 +13,8 @@ from app.db import Release, make_db_engine
 from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import EventProducer, read_all
+from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
-from trainer.delta import BaseMismatchError, DeltaVerificationError, prepare
 from trainer.release import (
     ReleaseConflictError,
     ReleaseContext,

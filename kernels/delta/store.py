@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from trainer.delta import ShardReader
-from trainer.delta_chain import ReleaseInfo
-from trainer.delta_manifest import DeltaManifest
+from kernels.delta.chain import ReleaseInfo
+from kernels.delta.manifest import DeltaManifest
+from kernels.delta.state_dict import ShardReader
 
 MANIFEST = "manifest.json"
 Keys = list[str]  # `list` is also a method name below

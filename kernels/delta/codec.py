@@ -1,4 +1,5 @@
-"""Per-tensor lossless codecs over bit patterns; trainer/delta.py runs them over a state dict.
+"""Per-tensor lossless codecs over bit patterns; kernels/delta/state_dict.py applies them
+to a whole state dict.
 
 `sparse` is Flywheel's codec. An RL step moves most bf16 weights by 0 or +-1 ulp, and whether
 a weight moves depends on its magnitude (a small weight has a small ulp). So it codes
@@ -27,9 +28,9 @@ import torch
 import xxhash
 from pydantic import BaseModel, Field
 
-from trainer.delta_classes import ChunkClasses, walk_classes
-from trainer.delta_manifest import Codec
-from trainer.delta_streams import (
+from kernels.delta.classes import ChunkClasses, walk_classes
+from kernels.delta.manifest import Codec
+from kernels.delta.streams import (
     CHUNK,
     choose_thresholds,
     classes_of,

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
-from trainer.delta import ShardReader, apply_delta
-from trainer.delta_manifest import DeltaError, DeltaManifest, VersionRef
+from kernels.delta.manifest import DeltaError, DeltaManifest, VersionRef
+from kernels.delta.state_dict import ShardReader, apply_delta
 
 
 class ChainError(DeltaError):

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.weights import state_dict_sha256
-from trainer.delta import (
+from kernels.delta import (
     BaseMismatchError,
     DeltaError,
     DeltaOptions,
@@ -19,9 +18,10 @@ from trainer.delta import (
     encode_snapshot,
     prepare,
 )
-from trainer.delta_chain import ChainError, ReleaseInfo, apply_chain, plan_chain
-from trainer.delta_codec import CodecOptions, encode_tensor
-from trainer.delta_streams import tensor_bits
+from kernels.delta.chain import ChainError, ReleaseInfo, apply_chain, plan_chain
+from kernels.delta.codec import CodecOptions, encode_tensor
+from kernels.delta.streams import tensor_bits
+from kernels.weights import state_dict_sha256
 
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40]
 

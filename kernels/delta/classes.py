@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.delta_streams import CHUNK, classes_of
+from kernels.delta.streams import CHUNK, classes_of
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Lossless releases of a state dict: deltas between two versions, and full snapshots.
 
 `encode_delta(base, target)` codes every tensor with the smallest codec of
-trainer/delta_codec.py and cuts the frames into shards of bounded size with a manifest
-(trainer/delta_manifest.py). A delta is self-inverse: applied to the base it yields the target,
+kernels/delta/codec.py and cuts the frames into shards of bounded size with a manifest
+(kernels/delta/manifest.py). A delta is self-inverse: applied to the base it yields the target,
 applied to the target it yields the base; `prepare` tells which from the live weights.
 
 Applying is two-phase so a server can prepare while serving and commit in a short pause:
@@ -25,8 +25,7 @@ import torch
 import zstandard
 from pydantic import Field
 
-from kernels.weights import state_dict_sha256
-from trainer.delta_codec import (
+from kernels.delta.codec import (
     CodecOptions,
     CorruptStreamError,
     DenseUpdate,
@@ -36,7 +35,7 @@ from trainer.delta_codec import (
     decode_tensor,
     encode_tensor,
 )
-from trainer.delta_manifest import (
+from kernels.delta.manifest import (
     BaseMismatchError,
     DeltaError,
     DeltaManifest,
@@ -46,16 +45,12 @@ from trainer.delta_manifest import (
     TensorEntry,
     VersionRef,
 )
-from trainer.delta_streams import tensor_bits, xxh3_hex
+from kernels.delta.streams import tensor_bits, xxh3_hex
+from kernels.weights import state_dict_sha256
 
 StateDict = Mapping[str, torch.Tensor]
 ShardReader = Callable[[str], bytes]
 
-__all__ = [
-    "BaseMismatchError", "DeltaError", "DeltaManifest", "DeltaOptions",
-    "DeltaVerificationError", "EncodedRelease", "PreparedDelta", "ShardReader", "apply_delta",
-    "commit", "encode_delta", "encode_snapshot", "prepare", "state_dict_sha256",
-]
 
 
 class DeltaOptions(CodecOptions):

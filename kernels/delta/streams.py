@@ -1,7 +1,7 @@
 """Bit-pattern helpers of the delta codecs: views, hashes, zstd frames, magnitude classes,
 and the byte-symbol streams (gaps and signed-byte values, with escapes) of the sparse codec.
 
-Everything here is a pure function over numpy arrays; trainer/delta_codec.py composes them.
+Everything here is a pure function over numpy arrays; kernels/delta/codec.py composes them.
 """
 
 from __future__ import annotations

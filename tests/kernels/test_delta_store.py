@@ -10,7 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from trainer.artifacts import (
+from kernels.delta import DeltaOptions, apply_delta, encode_delta, encode_snapshot
+from kernels.delta.chain import apply_chain, plan_chain
+from kernels.delta.store import (
     ArtifactNotFoundError,
     ArtifactStore,
     FsspecStoreConfig,
@@ -20,8 +22,6 @@ from trainer.artifacts import (
     artifact_store_config,
     build_artifact_store,
 )
-from trainer.delta import DeltaOptions, apply_delta, encode_delta, encode_snapshot
-from trainer.delta_chain import apply_chain, plan_chain
 
 
 @pytest.fixture(params=["local", "memory"])

@@ -4,7 +4,7 @@ Invariants, checked by the decoder before any live weight is touched:
 - a `delta` manifest has a `base`; a `snapshot` has none and only `full` tensors;
 - every frame lies inside the concatenation of the shards, in manifest order;
 - `base_xxh3` / `target_xxh3` are xxh3-128 hex digests of each tensor's raw bytes, so one
-  delta is verified in either direction (it is self-inverse, see trainer/delta_codec.py);
+  delta is verified in either direction (it is self-inverse, see kernels/delta/codec.py);
 - `base.sha256` / `target.sha256` are `kernels.weights.state_dict_sha256` of the whole model.
 """
 
