@@ -1,12 +1,14 @@
 """Feedback intake: accepted webhook events into the `feedback` topic and the receipt ledger.
 
-Requests hand their events to a few writer threads; each takes everything queued at once
-(group commit): one SQL query finds the event ids already received, every new event is
-produced, the producer is flushed and all acks awaited, then one INSERT records the receipts.
-A receipt is written only after the broker acknowledged its event, so a crash in between
-re-produces on retry (the join dedupes by event_id) and never loses one. Ids repeated inside a
-group count as duplicates; the same id racing in two groups at once may be produced twice
-(both replies say new), which the join's dedupe absorbs.
+Requests queue their events for one writer thread, which takes everything queued at once
+(group commit): ids received lately are answered from memory, the rest with one SQL query;
+every new event is produced (its partition computed here from its generation_id), the
+producer is flushed and the acks checked, then one INSERT … ON CONFLICT DO NOTHING records
+the receipts and one callback per event loop wakes the waiting requests. A receipt is written
+only after the broker acknowledged its event, so a crash in between re-produces on retry (the
+join dedupes by event_id) and never loses one. One writer means one group in flight: an id
+repeated while its first copy is being produced is settled by that group, never produced
+twice by this process.
 """
 
 from __future__ import annotations
@@ -15,18 +17,17 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, select
 from sqlalchemy import event as sa_event
-from sqlalchemy.dialects import postgresql, sqlite
 
 from app.db import FeedbackReceipt
-from ingest.events import FeedbackReceived, utcnow
-from ingest.log import EventProducer
+from ingest.events import FeedbackReceived, encode, utcnow
+from ingest.log import EventProducer, partition_for
 
 log = logging.getLogger(__name__)
 _ID_CHUNK = 5000  # ids per IN (...) query: under SQLite's and PostgreSQL's parameter limits
@@ -46,7 +47,36 @@ class FeedbackLogUnavailable(RuntimeError):
 @dataclass
 class _Submission:
     events: Sequence[FeedbackReceived]
-    done: Future[list[bool]] = field(default_factory=Future)
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[list[bool]]
+
+
+class RecentIds:
+    """The last `capacity` event ids with a stored receipt, oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: dict[str, None] = {}
+
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self._ids
+
+    def add(self, event_ids: Sequence[str]) -> None:
+        ids = self._ids
+        ids.update(dict.fromkeys(event_ids))
+        for _ in range(len(ids) - self.capacity):
+            del ids[next(iter(ids))]
+
+
+def _settle(results: list[tuple[asyncio.Future[list[bool]], Any]]) -> None:
+    """Runs on the event loop: hand each waiting request its flags or its error."""
+    for future, outcome in results:
+        if future.done():  # the request was cancelled meanwhile
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 class FeedbackIntake:
@@ -54,12 +84,14 @@ class FeedbackIntake:
 
     def __init__(self, *, producer: EventProducer, topic: str, db: Engine,
                  delivery_timeout_s: float, max_group_events: int = 5000,
-                 writers: int = 2) -> None:
+                 recent_ids: int = 200_000) -> None:
         self.producer = producer
         self.topic = topic
         self.db = db
         self.delivery_timeout_s = delivery_timeout_s
         self.max_group_events = max_group_events
+        self.recent = RecentIds(recent_ids)
+        self.ledger = ReceiptLedger(db)
         self._queue: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._closed = False
         if db.dialect.name == "sqlite":
@@ -67,36 +99,30 @@ class FeedbackIntake:
             # process dying, a machine crash may lose the last receipts (re-produced on retry).
             sa_event.listen(db, "connect", _sqlite_pragmas)
             db.pool.dispose()  # pooled connections opened before the listener
-        self._threads = [threading.Thread(target=self._run, name=f"feedback-intake-{i}",
-                                          daemon=True) for i in range(writers)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, events: Sequence[FeedbackReceived]) -> Future[list[bool]]:
-        if self._closed:
-            raise FeedbackLogUnavailable("feedback intake is closed")
-        submission = _Submission(events)
-        self._queue.put(submission)
-        return submission.done
+        self._thread = threading.Thread(target=self._run, name="feedback-intake", daemon=True)
+        self._thread.start()
 
     async def accept(self, events: Sequence[FeedbackReceived]) -> list[bool]:
-        return await asyncio.wrap_future(self.submit(events))
+        if self._closed:
+            raise FeedbackLogUnavailable("feedback intake is closed")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[bool]] = loop.create_future()
+        self._queue.put(_Submission(events, loop, done))
+        return await done
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish what is queued, then stop the writer thread."""
         if not self._closed:
             self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-            for thread in self._threads:
-                thread.join(timeout=timeout_s)
+            self._queue.put(None)
+            self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         stopping = False
         while not stopping:
             first = self._queue.get()
             if first is None:
-                return
+                break
             group, size = [first], len(first.events)
             while size < self.max_group_events:
                 try:
@@ -109,55 +135,115 @@ class FeedbackIntake:
                 group.append(item)
                 size += len(item.events)
             self._commit(group)
+        self.ledger.close()
 
     def _commit(self, group: list[_Submission]) -> None:
+        outcomes: list[Any]
         try:
-            flags = self._write(group)
+            outcomes = self._write(group)
         except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
             log.warning("feedback group of %d failed: %s", len(group), exc)
-            for sub in group:
-                sub.done.set_exception(FeedbackLogUnavailable(str(exc)))
-            return
-        for sub, sub_flags in zip(group, flags, strict=True):
-            sub.done.set_result(sub_flags)
+            outcomes = [FeedbackLogUnavailable(str(exc))] * len(group)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+        for sub, outcome in zip(group, outcomes, strict=True):
+            by_loop.setdefault(sub.loop, []).append((sub.done, outcome))
+        for loop, results in by_loop.items():  # one wake-up per loop, not per request
+            try:
+                loop.call_soon_threadsafe(_settle, results)
+            except RuntimeError:  # that loop has closed: nobody waits any more
+                pass
 
     def _write(self, group: list[_Submission]) -> list[list[bool]]:
-        received = self._existing({e.event_id for sub in group for e in sub.events})
+        recent = self.recent
+        unknown = {e.event_id for sub in group for e in sub.events if e.event_id not in recent}
+        received = self._existing(unknown) if unknown else set()
         fresh: dict[str, FeedbackReceived] = {}
         flags = []
         for sub in group:
             sub_flags = []
             for event in sub.events:
-                duplicate = event.event_id in received or event.event_id in fresh
+                event_id = event.event_id
+                duplicate = event_id in recent or event_id in received or event_id in fresh
                 if not duplicate:
-                    fresh[event.event_id] = event
+                    fresh[event_id] = event
                 sub_flags.append(duplicate)
             flags.append(sub_flags)
+        if received:
+            recent.add(list(received))
         if fresh:
-            futures = [self.producer.send(self.topic, e.generation_id, e)
-                       for e in fresh.values()]
-            self.producer.flush(self.delivery_timeout_s)  # no linger: the group is the batch
-            for future in futures:
-                future.get(timeout=self.delivery_timeout_s)
+            self._produce(list(fresh.values()))
             self._record(list(fresh.values()))
+            recent.add(list(fresh))
         return flags
 
+    def _produce(self, events: list[FeedbackReceived]) -> None:
+        """Send every event keyed by its generation_id, flush, and fail if any was refused."""
+        producer, topic = self.producer, self.topic
+        partitions = producer.partitions(topic)
+        futures = []
+        for e in events:
+            key = e.generation_id.encode("utf-8")
+            futures.append(producer.send_raw(topic, key, encode(e),
+                                             partition=partition_for(key, partitions)))
+        producer.flush(self.delivery_timeout_s)  # the group is the batch: no linger
+        for future in futures:
+            if not future.is_done or future.failed():
+                future.get(timeout=self.delivery_timeout_s)  # raises the broker's error
+
     def _existing(self, event_ids: set[str]) -> set[str]:
-        ids = sorted(event_ids)
-        column = FeedbackReceipt.__table__.c.event_id  # type: ignore[attr-defined]
-        found: set[str] = set()
-        with self.db.connect() as conn:
-            for start in range(0, len(ids), _ID_CHUNK):
-                chunk = ids[start:start + _ID_CHUNK]
-                found.update(conn.execute(select(column).where(column.in_(chunk))).scalars())
-        return found
+        return self.ledger.existing(event_ids)
 
     def _record(self, events: list[FeedbackReceived]) -> None:
+        self.ledger.record(events)
+
+
+class ReceiptLedger:
+    """The `feedbackreceipt` table, through one connection the writer thread keeps.
+
+    Receipts go in as one executemany of plain tuples (the timestamp converted once per
+    group, not once per row); a connection that failed is dropped and reopened next time.
+    """
+
+    def __init__(self, db: Engine) -> None:
+        self.db = db
         table = FeedbackReceipt.__table__  # type: ignore[attr-defined]
-        dialect = sqlite if self.db.dialect.name == "sqlite" else postgresql
-        stmt = dialect.insert(table).on_conflict_do_nothing(index_elements=["event_id"])
-        now = utcnow()
-        rows = [{"event_id": e.event_id, "generation_id": e.generation_id, "kind": e.kind,
-                 "received_at": now} for e in events]
-        with self.db.begin() as conn:
-            conn.execute(stmt, rows)
+        self._column = table.c.event_id
+        self._to_db = table.c.received_at.type.bind_processor(db.dialect) or (lambda v: v)
+        mark = "?" if db.dialect.paramstyle == "qmark" else "%s"
+        self._insert = (f"INSERT INTO {table.name} (event_id, generation_id, kind, received_at)"
+                        f" VALUES ({mark}, {mark}, {mark}, {mark})"
+                        " ON CONFLICT (event_id) DO NOTHING")
+        self._conn: Connection | None = None
+
+    def existing(self, event_ids: set[str]) -> set[str]:
+        ids = sorted(event_ids)
+        found: set[str] = set()
+        with self._transaction() as conn:
+            for start in range(0, len(ids), _ID_CHUNK):
+                chunk = ids[start:start + _ID_CHUNK]
+                found.update(conn.execute(select(self._column)
+                                          .where(self._column.in_(chunk))).scalars())
+        return found
+
+    def record(self, events: list[FeedbackReceived]) -> None:
+        now = self._to_db(utcnow())
+        rows = [(e.event_id, e.generation_id, e.kind, now) for e in events]
+        with self._transaction() as conn:
+            conn.exec_driver_sql(self._insert, rows)  # type: ignore[arg-type]
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        if self._conn is None:
+            self._conn = self.db.connect()
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except Exception:
+            self._conn.invalidate()
+            self._conn = None
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

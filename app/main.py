@@ -115,4 +115,5 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                                code="request_too_large").response()
         return await call_next(request)
 
+    app.add_middleware(feedback.FeedbackFastPath)  # outermost: the webhooks skip the rest
     return app

@@ -5,9 +5,11 @@
 Starts an embedded broker and the API (uvicorn subprocess, `--workers` processes), drives
 `POST /v1/feedback` and `POST /v1/feedback/batch` at concurrency 32 over keep-alive HTTP/1.1
 connections (a minimal asyncio client, so the client is not what is measured), each request
-signed with HMAC-SHA256 at send time; then produces a session for every generation and times
-`ingest.join.Join` over everything (records/s from its first record to its last experience).
-Ends with one JSON line.
+signed with HMAC-SHA256 at send time (bodies are built beforehand); then produces a session
+for every generation and times `ingest.join.Join` over everything (records/s from its first
+record to its last experience). Beside wall-clock rates it reports the CPU time each part
+spent per request or record (server, broker, client, join), which a loaded machine does not
+distort, and the load average. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -81,6 +83,47 @@ def event(generations: list[str], i: int) -> dict[str, object]:
         generations)], "kind": ["accept", "thumbs_down", "reject"][i % 3]}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{p}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+class CpuMeter:
+    """CPU seconds spent by the server, the broker and this process over one phase."""
+
+    def __init__(self, server: int, broker: int) -> None:
+        self.pids = {"server": server, "broker": broker}
+        self.start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        return {**now, "client": time.process_time()}
+
+    def per(self, count: int) -> dict[str, float]:
+        """Microseconds of CPU per item since construction, by part."""
+        end = self._now()
+        return {name: round((end[name] - self.start[name]) / count * 1e6, 1) for name in end}
+
+
+def run_loop(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def wait_healthy(port: int, timeout_s: float = 180) -> None:
     import httpx
 
@@ -95,7 +138,8 @@ def wait_healthy(port: int, timeout_s: float = 180) -> None:
     raise RuntimeError("API did not start")
 
 
-def bench_join(settings: Settings, generations: list[str], expected: int, data: Path) -> float:
+def bench_join(settings: Settings, generations: list[str], expected: int,
+               data: Path) -> tuple[float, float]:
     from ingest.join import Join
     from ingest.log import EventProducer
     from tests.ingest.test_join import synthetic_session
@@ -108,15 +152,24 @@ def bench_join(settings: Settings, generations: list[str], expected: int, data: 
     producer.flush()
     producer.close()
     join = Join(kafka, settings.join, database_url=f"sqlite:///{data / 'join.db'}")
-    records, first = 0, None
+    records, first, cpu0 = 0, None, 0.0
     while join.stats.experiences < expected:
+        before = time.perf_counter(), time.process_time()
         n = join.step()
-        if n and first is None:
-            first = time.perf_counter()
+        if n and first is None:  # from the poll that brought the first records
+            first, cpu0 = before
         records += n
     elapsed = time.perf_counter() - (first or time.perf_counter())
+    cpu = time.process_time() - cpu0
     join.close()
-    return records / elapsed
+    return records / elapsed, cpu / records * 1e6
+
+
+def phase(port: int, path: str, bodies: list[bytes], meter_pids: tuple[int, int],
+          events: int) -> tuple[float, list[float], dict[str, float]]:
+    meter = CpuMeter(*meter_pids)
+    seconds, latencies = run_loop(drive(port, path, bodies))
+    return seconds, latencies, meter.per(events)
 
 
 def main() -> None:
@@ -139,41 +192,52 @@ def main() -> None:
     init_model(settings.model, settings.resolved_model_dir)  # once, before the workers race
     server = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "bench.feedback:app_factory", "--factory",
-         "--port", str(port), "--workers", str(args.workers), "--log-level", "warning"],
+         "--port", str(port), "--workers", str(args.workers), "--log-level", "warning",
+         "--no-access-log", "--http", "httptools", "--loop", "uvloop"],
         cwd=Path(__file__).resolve().parents[1], env=env)
+    pids = (server.pid, broker.pid)
     try:
         wait_healthy(port)
         gens = [f"gen-{uuid.uuid4().hex}" for _ in range(args.generations)]
         warm = [json.dumps(event(gens, i)).encode() for i in range(200)]
-        asyncio.run(drive(port, "/v1/feedback", warm))
+        run_loop(drive(port, "/v1/feedback", warm))
         single = [json.dumps(event(gens, i)).encode() for i in range(args.single)]
-        single_s, lat = asyncio.run(drive(port, "/v1/feedback", single))
+        single_s, lat, single_cpu = phase(port, "/v1/feedback", single, pids, args.single)
         n_batches = args.batch_events // args.batch_size
+        n_batch_events = n_batches * args.batch_size
         batches = [json.dumps({"events": [event(gens, b * args.batch_size + i)
                                           for i in range(args.batch_size)]}).encode()
                    for b in range(n_batches)]
-        batch_s, _ = asyncio.run(drive(port, "/v1/feedback/batch", batches))
+        batch_s, _, batch_cpu = phase(port, "/v1/feedback/batch", batches, pids,
+                                      n_batch_events)
     finally:
         server.terminate()
         server.wait(timeout=60)
     lat_ms = np.array(lat) * 1000
     single_rps = args.single / single_s
-    batch_eps = n_batches * args.batch_size / batch_s
+    batch_eps = n_batch_events / batch_s
     print(f"single: {args.single} req in {single_s:.2f}s = {single_rps:.0f} req/s, "
-          f"p50 {np.percentile(lat_ms, 50):.1f} ms, p99 {np.percentile(lat_ms, 99):.1f} ms")
+          f"p50 {np.percentile(lat_ms, 50):.1f} ms, p99 {np.percentile(lat_ms, 99):.1f} ms; "
+          f"CPU us/req {single_cpu}")
     print(f"batch: {n_batches} x {args.batch_size} events in {batch_s:.2f}s = "
-          f"{batch_eps:.0f} events/s")
-    expected = len(warm) + args.single + n_batches * args.batch_size
+          f"{batch_eps:.0f} events/s; CPU us/event {batch_cpu}")
+    expected = len(warm) + args.single + n_batch_events
     try:
-        join_eps = bench_join(settings, gens, expected, data)
+        join_eps, join_cpu_us = bench_join(settings, gens, expected, data)
     finally:
         broker.stop()
-    print(f"join: {join_eps:.0f} records/s ({expected} feedback + {len(gens)} sessions)")
+    print(f"join: {join_eps:.0f} records/s ({expected} feedback + {len(gens)} sessions); "
+          f"CPU us/record {join_cpu_us:.1f}")
     print(json.dumps({"bench": "feedback", "single_rps": round(single_rps, 1),
                       "single_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
                       "single_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
                       "batch_events_per_s": round(batch_eps, 1),
-                      "join_events_per_s": round(join_eps, 1)}))
+                      "join_events_per_s": round(join_eps, 1),
+                      "single_cpu_us_per_req": single_cpu,
+                      "batch_cpu_us_per_event": batch_cpu,
+                      "join_cpu_us_per_record": round(join_cpu_us, 1),
+                      "workers": args.workers, "cores": os.cpu_count(),
+                      "loadavg_1m": round(os.getloadavg()[0], 2)}))
 
 
 if __name__ == "__main__":

@@ -5,108 +5,188 @@ The raw body (a FeedbackRequest, or {"events": [...]} for the batch) is checked 
 signatures are 401; an unreadable body is 422 naming the field; more bytes than
 `max_body_bytes` or more events than `feedback_batch_max` is 413. Replies 202 once the broker
 has acknowledged every new event; a repeated `event_id` is accepted (`duplicate: true`) and
-not produced again (the receipt ledger lives in SQL).
+not produced again (the receipt ledger lives in SQL, recent ids in memory).
+
+These are the hottest routes of the app, so they stay lean: `FeedbackFastPath` (installed by
+`app.main.create_app` as the outermost user middleware) answers them in plain ASGI before the
+other middleware and the router; the body is validated once, straight into
+`FeedbackReceived` (pydantic-core on the bytes), and the reply serialized by hand. The
+APIRoutes below share `handle` with it: they document the routes and serve them where the
+middleware is absent.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request, status
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from fastapi import APIRouter, Request, Response, status
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.deps import ServicesDep
 from app.feedback_intake import FeedbackIntake, FeedbackLogUnavailable
-from app.schemas import (
-    FeedbackAccepted,
-    FeedbackBatchAccepted,
-    FeedbackBatchRequest,
-    FeedbackRequest,
-)
+from app.schemas import FeedbackAccepted, FeedbackBatchAccepted
 from app.services import Services
-from ingest.events import FeedbackReceived
+from ingest.events import FeedbackReceived, utcnow
 from ingest.signing import SIGNATURE_HEADER, SignatureError, verify
 
 router = APIRouter(tags=["feedback"])
 
 
+class _FeedbackIn(FeedbackReceived):
+    """A FeedbackRequest validated straight into the wire type: `occurred_at: null` means
+    now (as FeedbackRequest allows), and `received_at` is always the server's clock."""
+
+    @field_validator("occurred_at", mode="before")
+    @classmethod
+    def _null_is_now(cls, value: Any) -> Any:
+        return utcnow() if value is None else value
+
+    @field_validator("received_at", mode="before")
+    @classmethod
+    def _server_clock(cls, _: Any) -> Any:
+        return utcnow()
+
+
+class _FeedbackBatchIn(BaseModel):
+    events: list[_FeedbackIn] = Field(min_length=1)
+
+
 def intake(services: Services) -> FeedbackIntake:
-    if services.feedback is None:  # services built outside `build_services` (tests)
+    if services.feedback is None:  # built on first use, here and in tests alike
         services.feedback = FeedbackIntake(
             producer=services.producer, topic=services.kafka.topics.feedback, db=services.db,
             delivery_timeout_s=services.kafka.delivery_timeout_ms / 1000)
     return services.feedback
 
 
-async def signed_body(request: Request, services: Services) -> bytes:
-    settings = services.settings
-    body = await request.body()
-    if len(body) > settings.max_body_bytes:  # chunked bodies skip the Content-Length check
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
-                            f"body of {len(body)} bytes exceeds {settings.max_body_bytes}")
-    secrets = [s.get_secret_value() for s in settings.feedback_secrets]
-    if secrets:
-        try:
-            verify(request.headers.get(SIGNATURE_HEADER), body, secrets,
-                   tolerance_s=settings.feedback_tolerance_s)
-        except SignatureError as exc:
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, str(exc)) from exc
-    return body
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
 
 
-def parse(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise RequestValidationError(_located(exc, ("body",))) from exc
+def _reply(status_code: int, content: object) -> Reply:
+    return Reply(status_code, json.dumps(content, separators=(",", ":")).encode())
 
 
-def to_event(request: FeedbackRequest, loc: tuple[str | int, ...]) -> FeedbackReceived:
-    try:
-        return FeedbackReceived(**request.model_dump(exclude_none=True))
-    except ValidationError as exc:  # cross-field rules, e.g. edit_kept needs a value
-        raise RequestValidationError(_located(exc, loc)) from exc
+def _error(status_code: int, detail: object) -> Reply:
+    return _reply(status_code, {"detail": detail})  # FastAPI's HTTPException shape
 
 
-def _located(exc: ValidationError, prefix: tuple[str | int, ...]) -> list[dict[str, Any]]:
+def _invalid(exc: ValidationError) -> Reply:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    return [{**e, "loc": (*prefix, *e["loc"])} for e in errors]
+    return _error(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                  [{**e, "loc": ("body", *e["loc"])} for e in errors])
 
 
-async def accept(services: Services, events: list[FeedbackReceived]) -> list[bool]:
+async def handle(services: Services, body: bytes, signature: str | None, *,
+                 batch: bool) -> Reply:
+    """Verify, validate and accept one webhook body; the reply for every outcome."""
+    settings = services.settings
+    if len(body) > settings.max_body_bytes:  # chunked bodies skip the Content-Length check
+        return _error(status.HTTP_413_CONTENT_TOO_LARGE,
+                      f"body of {len(body)} bytes exceeds {settings.max_body_bytes}")
+    if settings.feedback_secrets:
+        secrets = [s.get_secret_value() for s in settings.feedback_secrets]
+        try:
+            verify(signature, body, secrets, tolerance_s=settings.feedback_tolerance_s)
+        except SignatureError as exc:
+            return _error(status.HTTP_401_UNAUTHORIZED, str(exc))
+    try:
+        events: Sequence[FeedbackReceived] = (
+            _FeedbackBatchIn.model_validate_json(body).events if batch
+            else [_FeedbackIn.model_validate_json(body)])
+    except ValidationError as exc:
+        return _invalid(exc)
+    if len(events) > settings.feedback_batch_max:
+        return _error(status.HTTP_413_CONTENT_TOO_LARGE,
+                      f"batch of {len(events)} events exceeds {settings.feedback_batch_max}")
     try:
         duplicates = await intake(services).accept(events)
     except FeedbackLogUnavailable as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
-                            f"feedback log unavailable, retry: {exc}") from exc
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE,
+                      f"feedback log unavailable, retry: {exc}")
     repeated = sum(duplicates)
     services.counters.feedback_duplicates += repeated
     services.counters.feedback_accepted += len(events) - repeated
-    return duplicates
+    if not batch:
+        return _reply(status.HTTP_202_ACCEPTED,
+                      {"event_id": events[0].event_id, "duplicate": duplicates[0]})
+    return _reply(status.HTTP_202_ACCEPTED, {
+        "accepted": len(events) - repeated, "duplicates": repeated,
+        "results": [{"event_id": e.event_id, "duplicate": d}
+                    for e, d in zip(events, duplicates, strict=True)]})
+
+
+async def _respond(request: Request, *, batch: bool) -> Response:
+    reply = await handle(request.app.state.services, await request.body(),
+                         request.headers.get(SIGNATURE_HEADER), batch=batch)
+    return Response(reply.body, reply.status, media_type="application/json")
 
 
 @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED,
              response_model=FeedbackAccepted)
-async def post_feedback(request: Request, services: ServicesDep) -> FeedbackAccepted:
-    body = await signed_body(request, services)
-    event = to_event(parse(FeedbackRequest, body), ("body",))
-    [duplicate] = await accept(services, [event])
-    return FeedbackAccepted(event_id=event.event_id, duplicate=duplicate)
+async def post_feedback(request: Request) -> Response:
+    return await _respond(request, batch=False)
 
 
 @router.post("/v1/feedback/batch", status_code=status.HTTP_202_ACCEPTED,
              response_model=FeedbackBatchAccepted)
-async def post_feedback_batch(request: Request, services: ServicesDep) -> FeedbackBatchAccepted:
-    body = await signed_body(request, services)
-    batch: FeedbackBatchRequest = parse(FeedbackBatchRequest, body)
-    limit = services.settings.feedback_batch_max
-    if len(batch.events) > limit:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
-                            f"batch of {len(batch.events)} events exceeds {limit}")
-    events = [to_event(r, ("body", "events", i)) for i, r in enumerate(batch.events)]
-    duplicates = await accept(services, events)
-    results = [FeedbackAccepted(event_id=e.event_id, duplicate=d)
-               for e, d in zip(events, duplicates, strict=True)]
-    return FeedbackBatchAccepted(accepted=len(events) - sum(duplicates),
-                                 duplicates=sum(duplicates), results=results)
+async def post_feedback_batch(request: Request) -> Response:
+    return await _respond(request, batch=True)
+
+
+_BATCH_OF_PATH = {"/v1/feedback": False, "/v1/feedback/batch": True}
+_SIGNATURE = SIGNATURE_HEADER.lower().encode("latin-1")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class FeedbackFastPath:
+    """ASGI middleware: answers the two webhook routes with `handle` before the app's other
+    middleware, exception handlers and router (which cost several times the webhook's own
+    work); every other request passes through. Add it as the outermost user middleware."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        batch = _BATCH_OF_PATH.get(scope["path"]) if scope["type"] == "http" else None
+        if batch is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        services: Services = scope["app"].state.services
+        headers = dict(scope["headers"])
+        limit = services.settings.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            reply = _error(status.HTTP_413_CONTENT_TOO_LARGE,
+                           f"body of {int(declared)} bytes exceeds {limit}")
+        else:
+            body = await _read_body(receive, limit)
+            if body is None:  # the client went away
+                return
+            signature = headers.get(_SIGNATURE)
+            reply = await handle(services, body, signature.decode("latin-1")
+                                 if signature is not None else None, batch=batch)
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [*_JSON_HEADERS,
+                                (b"content-length", str(len(reply.body)).encode())]})
+        await send({"type": "http.response.body", "body": reply.body})
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body; past `limit` bytes it stops reading (`handle` answers 413)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit or not message.get("more_body", False):
+            return b"".join(chunks)
