@@ -19,7 +19,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
+# bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,postgres,redis,bench]"
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: $(STAMP)
