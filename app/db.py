@@ -36,7 +36,7 @@ ReleaseStatus = Literal["candidate", "published", "rejected", "rolled_back"]
 
 
 class Release(SQLModel, table=True):
-    """One release candidate and what became of it (trainer/release.py writes it).
+    """One release candidate and what became of it (app/releases.py writes it).
 
     `manifest_uri` is the delta from `parent`; snapshots also have `snapshot_uri` and reset
     `chain_length` to 0. The online trainer (#7) fills the provenance columns: the step range

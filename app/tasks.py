@@ -1,7 +1,7 @@
 """Celery tasks: the release pipeline and sandboxed execution, JSON in and out.
 
 `register(app)` binds them to one Celery app (`app.celery_app.make_celery`), whose
-`conf.flywheel_settings` they read; the work itself lives in trainer/release.py and
+`conf.flywheel_settings` they read; the work itself lives in app/releases.py and
 simulate/sandbox.py, so each task is a thin wrapper.
 """
 
@@ -21,8 +21,8 @@ from app.settings import Settings
 def release_context(settings: Settings) -> Iterator[Any]:
     """Open the DB and a producer on `releases` for one task run."""
     from app.db import make_db_engine
+    from app.releases import ReleaseContext
     from ingest.log import EventProducer
-    from trainer.release import ReleaseContext
 
     if settings.kafka_bootstrap is None:
         raise RuntimeError("settings.kafka_bootstrap is unset: the release worker needs Kafka")
@@ -40,7 +40,7 @@ def release_context(settings: Settings) -> Iterator[Any]:
 def run_release(settings: Settings, *, version: int | None = None,
                 candidate: str | None = None, requested_by: str = "system",
                 reason: str = "") -> dict[str, Any]:
-    from trainer.release import build_release
+    from app.releases import build_release
 
     with release_context(settings) as ctx:
         release = build_release(ctx, candidate=Path(candidate) if candidate else None,
@@ -65,7 +65,7 @@ def register(app: Celery) -> None:
     @app.task(name=ROLLBACK_TASK, shared=False)
     def rollback_task(version: int, requested_by: str = "admin",
                       reason: str = "") -> dict[str, Any]:
-        from trainer.release import rollback_release
+        from app.releases import rollback_release
 
         with release_context(settings()) as ctx:
             return rollback_release(ctx, version, requested_by=requested_by,

@@ -129,9 +129,9 @@ class PipelineReleaseSink:
 
     def release(self, candidate: Any, provenance: dict[str, Any], *, requested_by: str,
                 reason: str) -> Any:
+        from app.releases import build_release
         from app.tasks import release_context
         from trainer.online import ReleaseOutcome
-        from trainer.release import build_release
 
         with release_context(self.settings) as ctx:
             row = build_release(ctx, candidate=candidate, requested_by=requested_by,

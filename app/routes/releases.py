@@ -22,7 +22,7 @@ router = APIRouter(prefix="/admin/releases", tags=["releases"])
 def trigger_release(services: ServicesDep, _: AdminDep,
                     body: ReleaseRequest | None = None) -> ReleaseQueued:
     from app.celery_app import RELEASE_TASK
-    from trainer.release import reserve_version
+    from app.releases import reserve_version
 
     body = body or ReleaseRequest()
     candidate = body.candidate or str(services.settings.resolved_candidate_path)
@@ -56,7 +56,7 @@ def get_release(version: int, db: DbDep, _: AdminDep) -> Release:
 def rollback(version: int, services: ServicesDep, _: AdminDep,
              body: RollbackRequest | None = None) -> Release:
     """Roll the served head back to its parent; returns the parent (the new head)."""
-    from trainer.release import (
+    from app.releases import (
         ReleaseConflictError,
         ReleaseContext,
         ReleaseError,

@@ -1,5 +1,6 @@
-"""The release pipeline on the real broker, SQLite and the tiny model: gate, store, publish,
-snapshot cadence, rollback, and rebuilding the served weights from the artifact store."""
+"""The release pipeline (app/releases.py over trainer/release.py) on the real broker, SQLite
+and the tiny model: gate, store, publish, snapshot cadence, rollback, and rebuilding the
+served weights from the artifact store."""
 
 from __future__ import annotations
 
@@ -10,21 +11,13 @@ import torch
 from sqlmodel import Session
 
 from app.db import Release, make_db_engine
+from app.releases import ReleaseConflictError, ReleaseContext, build_release, rollback_release
 from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import EventProducer, read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
-from trainer.release import (
-    ReleaseConflictError,
-    ReleaseContext,
-    build_release,
-    chain_weights,
-    load_candidate,
-    load_model,
-    rollback_release,
-    save_weights,
-)
+from trainer.release import head_weights, load_candidate, load_model, save_weights
 
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
@@ -79,7 +72,7 @@ def test_publish_gate_snapshot_rollback(ctx: ReleaseContext, tmp_path: Path,
     with Session(ctx.db) as session:
         assert session.get(Release, 3).status == "rolled_back"  # type: ignore[union-attr]
     # The head cache holds v3's weights; the pipeline rebuilds v1's from the store.
-    assert state_dict_sha256(chain_weights(ctx, back)) == r1.sha256
+    assert state_dict_sha256(head_weights(ctx.config, back.version, back.sha256)) == r1.sha256
     r3 = build_release(ctx, candidate=tmp_path / "c2.safetensors")
     assert (r3.version, r3.parent) == (4, 1)
 
@@ -93,7 +86,7 @@ def test_delta_refuses_corruption_and_wrong_base(ctx: ReleaseContext, tmp_path: 
                                                  model_dir: Path) -> None:
     make_checkpoint(model_dir, tmp_path / "c.safetensors", scale=1e-3, seed=3)
     r1 = build_release(ctx, candidate=tmp_path / "c.safetensors")
-    store = ctx.store
+    store = ctx.config.store
     manifest, reader = store.read_manifest(r1.version), store.shard_reader(r1.version)
     base = load_model(model_dir).state_dict()
     with pytest.raises(BaseMismatchError):
