@@ -8,15 +8,18 @@ snapshot (byte planes, zstd), (b) XOR + zstd-1 per tensor (what slime/verl/NeMo-
 (c) Flywheel's delta; encode and decode+apply throughput in GB/s of model bytes (Flywheel's
 apply includes every verification: shard sha256, base and result xxh3 per tensor); bit
 exactness by whole-model sha256; and the modeled sync time: compressed bytes over a 10 Gbit/s
-link plus decode+apply of the model at the measured speed. Timings are the best of 3 runs
-(2 shared cores are noisy).
+link plus decode+apply of the model at the measured speed, printed for both schemes and kept
+in the JSON as `sync_s_flywheel` / `sync_s_xor_zstd1`. Timings are the best of `--runs` runs
+(2 shared cores are noisy). Flywheel decodes on 2 threads (`apply_delta`'s default).
 
     .venv/bin/python bench/delta.py        # ~3-5 minutes on 2 shared cores
+    .venv/bin/python bench/delta.py --settings lr1e-5_steps1 --runs 1   # one setting, to iterate
 The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -100,7 +103,7 @@ class Row:
     sync_s_flywheel: float
 
 
-def measure(name: str, base: Weights, target: Weights) -> Row:
+def measure(name: str, base: Weights, target: Weights, runs: int = 3) -> Row:
     raw = sum(t.nbytes for t in base.values())
     changed = sum(int(np.count_nonzero(tensor_bits(base[k]) != tensor_bits(target[k])))
                   for k in base)
@@ -112,12 +115,12 @@ def measure(name: str, base: Weights, target: Weights) -> Row:
     def copy() -> Weights:
         return {k: v.clone() for k, v in base.items()}
 
-    xor_s = best_of(3, copy, lambda live: xor_apply(live, xor))
+    xor_s = best_of(runs, copy, lambda live: xor_apply(live, xor))
     t0 = time.perf_counter()
     release = encode_delta(base, target, base_version=0, target_version=1, base_sha256=base_sha)
     encode_s = time.perf_counter() - t0
     manifest, read = release.manifest, release.shards.__getitem__
-    apply_s = best_of(3, copy, lambda live: apply_delta(live, manifest, read))
+    apply_s = best_of(runs, copy, lambda live: apply_delta(live, manifest, read))
     live = copy()
     apply_delta(live, manifest, read)
     xor_live = copy()
@@ -148,12 +151,24 @@ def print_table(rows: list[Row], params: int) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(n for n, _, _ in SETTINGS),
+                        help="comma-separated subset of " + ", ".join(n for n, _, _ in SETTINGS))
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per measurement (best)")
+    args = parser.parse_args()
+    wanted = args.settings.split(",")
+    if unknown := set(wanted) - {n for n, _, _ in SETTINGS}:
+        parser.error(f"unknown settings {sorted(unknown)}")
     torch.set_num_threads(2)
     rows, params = [], 0
     for name, lr, steps in SETTINGS:
-        base, target, params = rl_release(lr, steps)
-        rows.append(measure(name, base, target))
+        if name in wanted:
+            base, target, params = rl_release(lr, steps)
+            rows.append(measure(name, base, target, runs=max(1, args.runs)))
     print_table(rows, params)
+    for r in rows:
+        print(f"modeled sync {r.name}: flywheel {r.sync_s_flywheel:.3f} s, XOR+zstd-1 "
+              f"{r.sync_s_xor_zstd1:.3f} s ({r.sync_s_xor_zstd1 / r.sync_s_flywheel:.2f}x)")
     settings = [{k: round(v, 6) if isinstance(v, float) else v for k, v in vars(r).items()}
                 for r in rows]
     print(json.dumps({"bench": "delta", "params": params, "settings": settings}))

@@ -12,9 +12,14 @@ cache-sized chunks, and keeps only the changed positions and their new bit patte
 
 Self-inverse: classes come from a value both ends know. Changed elements whose class differs
 before and after ("crossers") are coded by position and left out of every class, so a decoder
-holding the base or the target sees the same class members and applies +d or -d. `xor` (byte
-planes of old ^ new, the fallback for dense changes) is self-inverse by construction; `full`
-(byte planes of new) is for snapshots; `same` stores nothing.
+holding the base or the target sees the same class members and applies +d or -d. `nibble`
+(kernels/delta/nibble.py: d in 4 bits for every element) takes over once 1/16 of a tensor
+moves: as small there, and cheaper to apply. `xor` (byte planes of old ^ new, for changes too
+dense for both) is self-inverse by construction; `full` (byte planes of new) is for snapshots;
+`same` stores nothing.
+
+Every decoder hashes the live tensor while it reads it (so the caller learns whether it holds
+the base or the target without a separate pass) and the result it would write.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from kernels.delta.classes import ChunkClasses, walk_classes
 from kernels.delta.manifest import Codec
+from kernels.delta.nibble import NibbleStreamError, NibbleUpdate, decode_nibble, encode_nibble
 from kernels.delta.streams import (
     CHUNK,
     choose_thresholds,
@@ -45,6 +51,7 @@ from kernels.delta.streams import (
 )
 
 DENSE_ABOVE = 16  # a decoded tensor with more than 1/16 changed is kept whole
+NIBBLE_ABOVE = 1 / 16  # changed share from which the nibble codec is tried
 
 
 class CodecOptions(BaseModel):
@@ -63,6 +70,10 @@ class SparseUpdate:
     positions: np.ndarray  # (n,) int64
     values: np.ndarray  # (n,) uint of the tensor's width
 
+    def apply(self, bits: np.ndarray) -> None:
+        if self.positions.size:
+            bits[self.positions] = self.values
+
 
 @dataclass(frozen=True)
 class DenseUpdate:
@@ -70,8 +81,21 @@ class DenseUpdate:
 
     values: np.ndarray  # (numel,) uint of the tensor's width
 
+    def apply(self, bits: np.ndarray) -> None:
+        np.copyto(bits, self.values)
 
-Update = SparseUpdate | DenseUpdate
+
+Update = SparseUpdate | DenseUpdate | NibbleUpdate
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A verified-to-be update: what to write, and the xxh3-128 of the live tensor it was
+    decoded against (None where the codec needs no base) and of the result."""
+
+    update: Update
+    live_xxh3: str | None
+    result_xxh3: str
 
 
 @dataclass(frozen=True)
@@ -106,7 +130,13 @@ def encode_tensor(
     changed = np.flatnonzero(diff)
     if changed.size == 0:
         return Encoded("same", [])
-    best = encode_sparse(base, diff, changed, dtype, options)
+    if changed.size >= NIBBLE_ABOVE * diff.size:
+        best = Encoded("nibble", encode_nibble(diff, level, threads))
+        if changed.size < 4 * NIBBLE_ABOVE * diff.size:  # sparse can still be smaller here
+            best = min(encode_sparse(base, diff, changed, dtype, options), best,
+                       key=lambda e: e.nbytes)
+    else:
+        best = encode_sparse(base, diff, changed, dtype, options)
     if changed.size > options.try_xor_above * diff.size:
         xor = Encoded("xor", encode_planes(base ^ target, level, threads))
         best = min(best, xor, key=lambda e: e.nbytes)
@@ -196,19 +226,67 @@ def decode_tensor(
     thresholds: tuple[int, ...] = (),
     counts: tuple[int, ...] = (),
     backward: bool = False,
-) -> tuple[Update, str]:
-    """Decode one tensor against the live bit patterns; returns the update and its xxh3."""
+) -> Decoded:
+    """Decode one tensor against the live bit patterns (read only): the update and hashes."""
     if codec == "same":
-        return SparseUpdate(np.empty(0, np.int64), live[:0].copy()), xxh3_hex(live)
+        digest = xxh3_hex(live)
+        return Decoded(SparseUpdate(np.empty(0, np.int64), live[:0].copy()), digest, digest)
     if codec == "full":
         values = decode_planes(frames, live)
-        return DenseUpdate(values), xxh3_hex(values)
+        return Decoded(DenseUpdate(values), None, xxh3_hex(values))
     if codec == "xor":
         values = decode_planes(frames, live) ^ live
-        return DenseUpdate(values), xxh3_hex(values)
+        return Decoded(DenseUpdate(values), xxh3_hex(live), xxh3_hex(values))
+    if codec == "nibble":
+        try:
+            return Decoded(*decode_nibble(frames, live, backward))
+        except NibbleStreamError as exc:
+            raise CorruptStreamError(str(exc)) from exc
+    if codec == "sparse" and not thresholds:
+        return decode_sparse_flat(frames, live, counts, backward)
     if codec == "sparse":
         return decode_sparse(frames, live, dtype, thresholds, counts, backward)
     raise CorruptStreamError(f"unknown codec {codec!r}")
+
+
+def decode_sparse_flat(
+    frames: Sequence[memoryview], live: np.ndarray, counts: tuple[int, ...], backward: bool
+) -> Decoded:
+    """The one-class sparse codec: positions from the gaps, new values by one gather, then a
+    pass over `live` in chunks that hashes it and the result (a copy with the changes in)."""
+    if len(frames) != 6 or len(counts) != 1:
+        raise CorruptStreamError("sparse codec: wrong number of streams or class counts")
+    gap_esc = decompress(frames[3], np.uint64)
+    if decompress(frames[0], np.int64).size or (gap_esc.size and gap_esc.max() >= live.size):
+        raise CorruptStreamError("sparse codec: gaps outside the tensor")
+    positions = symbols_to_ordinals(decompress(frames[2], np.uint8), gap_esc)
+    d = symbols_to_values(decompress(frames[4], np.uint8), decompress(frames[5], live.dtype),
+                          live.dtype.itemsize)
+    if d.size != positions.size or positions.size != counts[0] or (
+            positions.size and positions[-1] >= live.size):
+        raise CorruptStreamError("sparse codec: positions do not fit the tensor")
+    new = np.empty(positions.size, live.dtype)
+    cuts = np.searchsorted(positions, np.arange(0, live.size + CHUNK, CHUNK))
+    live_hash, result_hash = xxhash.xxh3_128(), xxhash.xxh3_128()
+    buf = np.empty(min(CHUNK, live.size), live.dtype)
+    for i, start in enumerate(range(0, live.size, CHUNK)):
+        seg = live[start : start + CHUNK]
+        live_hash.update(seg.data)
+        lo, hi = cuts[i], cuts[i + 1]
+        if lo == hi:
+            result_hash.update(seg.data)
+            continue
+        local, values = positions[lo:hi] - start, new[lo:hi]
+        np.take(seg, local, out=values)  # the gather while the chunk is in cache
+        if backward:
+            values -= d[lo:hi]
+        else:
+            values += d[lo:hi]
+        out = buf[: seg.size]
+        np.copyto(out, seg)
+        out[local] = values
+        result_hash.update(out.data)
+    return Decoded(SparseUpdate(positions, new), live_hash.hexdigest(), result_hash.hexdigest())
 
 
 def decode_sparse(
@@ -218,7 +296,7 @@ def decode_sparse(
     thresholds: tuple[int, ...],
     counts: tuple[int, ...],
     backward: bool,
-) -> tuple[Update, str]:
+) -> Decoded:
     """Walk the live tensor in chunks: find each class's changed members, hash the result."""
     if len(frames) != 6 or len(counts) != len(thresholds) + 1:
         raise CorruptStreamError("sparse codec: wrong number of streams or class counts")
@@ -234,7 +312,7 @@ def decode_sparse(
                                          < live.size):
         raise CorruptStreamError("sparse codec: crosser positions outside the tensor")
     mask = magnitude_mask(dtype, width) if thresholds else None
-    hasher = xxhash.xxh3_128()
+    live_hash, hasher = xxhash.xxh3_128(), xxhash.xxh3_128()
     # Many changes: keep the whole new tensor (commit is then one memcpy, not a scatter).
     dense = sum(counts) + crossers.size > live.size // DENSE_ABOVE
     out = np.empty(live.size if dense else min(CHUNK, live.size), kind)
@@ -242,6 +320,7 @@ def decode_sparse(
     positions, values = [], []
     for start, classes in walk_classes(live, thresholds, mask, crossers):
         chunk = live[start : start + CHUNK]
+        live_hash.update(chunk.data)
         lo, hi = np.searchsorted(crossers, [start, start + CHUNK])
         local, d = cursor.take(classes, crossers[lo:hi] - start, cross_d[lo:hi])
         new = chunk[local] - d if backward else chunk[local] + d
@@ -253,9 +332,9 @@ def decode_sparse(
             positions.append(local + start)
             values.append(new)
     cursor.check_done()
-    if dense:
-        return DenseUpdate(out), hasher.hexdigest()
-    return SparseUpdate(_cat(positions, np.int64), _cat(values, kind)), hasher.hexdigest()
+    update: Update = DenseUpdate(out) if dense else SparseUpdate(_cat(positions, np.int64),
+                                                                 _cat(values, kind))
+    return Decoded(update, live_hash.hexdigest(), hasher.hexdigest())
 
 
 class _Cursor:

@@ -6,17 +6,18 @@ kernels/delta/codec.py and cuts the frames into shards of bounded size with a ma
 applied to the target it yields the base; `prepare` tells which from the live weights.
 
 Applying is two-phase so a server can prepare while serving and commit in a short pause:
-`prepare` checks every shard's sha256, that the live weights are the delta's base (or target),
-decodes into scratch buffers and checks each result tensor's xxh3-128; only then does `commit`
-write the changed bit patterns into the live tensors. Any failure raises before a live weight
-is touched. `apply_delta` is both phases at once.
+`prepare` checks every shard's sha256, that the live weights are the delta's base (or target:
+each tensor's xxh3-128), decodes into scratch buffers and checks each result tensor's
+xxh3-128; only then does `commit` write the changed bit patterns into the live tensors. Any
+failure raises before a live weight is touched. `apply_delta` is both phases at once. Both
+phases run on a small thread pool (zstd, hashlib, xxhash and numpy release the GIL).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,9 +29,8 @@ from pydantic import Field
 from kernels.delta.codec import (
     CodecOptions,
     CorruptStreamError,
-    DenseUpdate,
+    Decoded,
     Encoded,
-    SparseUpdate,
     Update,
     decode_tensor,
     encode_tensor,
@@ -161,17 +161,6 @@ def _package(
 # ---- apply ---------------------------------------------------------------------------------
 
 
-def read_verified_shards(manifest: DeltaManifest, read_shard: ShardReader) -> memoryview:
-    """All shards end to end, each checked against its sha256 in the manifest."""
-    parts = []
-    for ref in manifest.shards:
-        data = read_shard(ref.name)
-        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise DeltaVerificationError(f"shard {ref.name}: sha256 mismatch, refusing")
-        parts.append(data)
-    return memoryview(b"".join(parts))
-
-
 def prepare(
     live: StateDict,
     manifest: DeltaManifest,
@@ -180,31 +169,65 @@ def prepare(
     live_sha256: str | None = None,
     threads: int = 2,
 ) -> PreparedDelta:
-    """Verify and decode a release against the live weights without writing to them."""
-    backward = _direction(live, manifest, live_sha256)
-    blob = read_verified_shards(manifest, read_shard)
-    entries = {t.name: t for t in manifest.tensors}
+    """Verify and decode a release against the live weights without writing to them.
+
+    One pass over the live weights: each tensor is decoded as if the live weights were the
+    base, hashing them on the way; if they turn out to be the target (a rollback), the
+    tensors are decoded again backwards. Shards are hashed on the same thread pool.
+    """
+    _check_layout(live, manifest)
+    parts = [read_shard(ref.name) for ref in manifest.shards]
+    blob = memoryview(b"".join(parts))
+    bits = {t.name: tensor_bits(live[t.name]) for t in manifest.tensors}
+    biggest_first = sorted(manifest.tensors, key=lambda t: -bits[t.name].size)
+
+    def decode_all(pool: ThreadPoolExecutor, backward: bool) -> dict[str, Future[Decoded]]:
+        return {t.name: pool.submit(_decode, t, live[t.name].dtype, bits[t.name], blob, backward)
+                for t in biggest_first}
+
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        decoded = pool.map(lambda t: _decode_verified(t, live[t.name], blob, backward),
-                           manifest.tensors)
-        updates = dict(zip(entries, decoded, strict=True))
+        try:
+            checks = [pool.submit(_check_shard, ref, data)
+                      for ref, data in zip(manifest.shards, parts, strict=True)]
+            futures = decode_all(pool, backward=False)
+            for check in checks:  # a bad shard explains bad frames: report it first
+                check.result()
+            decoded = {name: f.result() for name, f in futures.items()}
+            backward = _direction(manifest, decoded, live_sha256)
+            if backward:
+                decoded = {name: f.result() for name, f in decode_all(pool, True).items()}
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    for t in manifest.tensors:
+        if decoded[t.name].result_xxh3 != (t.base_xxh3 if backward else t.target_xxh3):
+            raise DeltaVerificationError(f"{t.name}: decoded tensor fails its xxh3, refusing")
     reaches = manifest.base if backward and manifest.base is not None else manifest.target
-    return PreparedDelta(reaches=reaches, updates=updates)
+    return PreparedDelta(reaches=reaches,
+                         updates={t.name: decoded[t.name].update for t in manifest.tensors})
 
 
-def _direction(live: StateDict, manifest: DeltaManifest, live_sha256: str | None) -> bool:
-    """False: live is the base (or anything, for a snapshot); True: live is the target."""
+def _check_shard(ref: ShardRef, data: bytes) -> None:
+    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise DeltaVerificationError(f"shard {ref.name}: sha256 mismatch, refusing")
+
+
+def _check_layout(live: StateDict, manifest: DeltaManifest) -> None:
     if set(live) != {t.name for t in manifest.tensors}:
         raise DeltaError("the live weights and the release name different tensors")
     for t in manifest.tensors:
         tensor = live[t.name]
         if str(tensor.dtype).removeprefix("torch.") != t.dtype or list(tensor.shape) != t.shape:
             raise DeltaError(f"{t.name}: live dtype/shape differs from the release")
+
+
+def _direction(manifest: DeltaManifest, decoded: Mapping[str, Decoded],
+               live_sha256: str | None) -> bool:
+    """False: live is the base (or anything, for a snapshot); True: live is the target."""
     if manifest.base is None:
         return False
-    digests = {t.name: xxh3_hex(tensor_bits(live[t.name])) for t in manifest.tensors}
-    at_base = all(digests[t.name] == t.base_xxh3 for t in manifest.tensors)
-    at_target = all(digests[t.name] == t.target_xxh3 for t in manifest.tensors)
+    at_base = all(decoded[t.name].live_xxh3 == t.base_xxh3 for t in manifest.tensors)
+    at_target = all(decoded[t.name].live_xxh3 == t.target_xxh3 for t in manifest.tensors)
     if live_sha256 is not None:
         at_base &= live_sha256 == manifest.base.sha256
         at_target &= live_sha256 == manifest.target.sha256
@@ -215,32 +238,26 @@ def _direction(live: StateDict, manifest: DeltaManifest, live_sha256: str | None
     return not at_base
 
 
-def _decode_verified(
-    entry: TensorEntry, tensor: torch.Tensor, blob: memoryview, backward: bool
-) -> Update:
+def _decode(entry: TensorEntry, dtype: torch.dtype, bits: np.ndarray, blob: memoryview,
+            backward: bool) -> Decoded:
     frames = [blob[f.offset : f.offset + f.length] for f in entry.frames]
     if backward and entry.codec == "full":
         raise DeltaError(f"{entry.name}: a full tensor cannot be applied backwards")
     try:
-        update, digest = decode_tensor(
-            entry.codec, frames, tensor_bits(tensor), tensor.dtype,
-            thresholds=tuple(entry.thresholds), counts=tuple(entry.counts), backward=backward)
+        return decode_tensor(entry.codec, frames, bits, dtype,
+                             thresholds=tuple(entry.thresholds), counts=tuple(entry.counts),
+                             backward=backward)
     except (CorruptStreamError, IndexError, ValueError, zstandard.ZstdError) as exc:
         raise DeltaVerificationError(f"{entry.name}: undecodable ({exc}), refusing") from exc
-    expected = entry.base_xxh3 if backward else entry.target_xxh3
-    if digest != expected:
-        raise DeltaVerificationError(f"{entry.name}: decoded tensor fails its xxh3, refusing")
-    return update
 
 
-def commit(live: MutableMapping[str, torch.Tensor], prepared: PreparedDelta) -> VersionRef:
+def commit(live: MutableMapping[str, torch.Tensor], prepared: PreparedDelta, *,
+           threads: int = 2) -> VersionRef:
     """Write verified bit patterns into the live tensors in place; returns the version reached."""
-    for name, update in prepared.updates.items():
-        bits = tensor_bits(live[name])
-        if isinstance(update, SparseUpdate):
-            bits[update.positions] = update.values
-        elif isinstance(update, DenseUpdate):
-            np.copyto(bits, update.values)
+    items = sorted(prepared.updates.items(), key=lambda kv: -live[kv[0]].numel())
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for done in [pool.submit(update.apply, tensor_bits(live[name])) for name, update in items]:
+            done.result()
     return prepared.reaches
 
 
@@ -250,6 +267,8 @@ def apply_delta(
     read_shard: ShardReader,
     *,
     live_sha256: str | None = None,
+    threads: int = 2,
 ) -> VersionRef:
     """`prepare` then `commit`: a failed check raises with the live weights untouched."""
-    return commit(live, prepare(live, manifest, read_shard, live_sha256=live_sha256))
+    prepared = prepare(live, manifest, read_shard, live_sha256=live_sha256, threads=threads)
+    return commit(live, prepared, threads=threads)

@@ -19,8 +19,10 @@ from kernels.delta import (
     prepare,
 )
 from kernels.delta.chain import ChainError, ReleaseInfo, apply_chain, plan_chain
-from kernels.delta.codec import CodecOptions, encode_tensor
-from kernels.delta.streams import tensor_bits
+from kernels.delta.codec import CodecOptions, decode_tensor, encode_tensor
+from kernels.delta.nibble import CHUNK as NIBBLE_CHUNK
+from kernels.delta.nibble import encode_nibble
+from kernels.delta.streams import tensor_bits, xxh3_hex
 from kernels.weights import state_dict_sha256
 
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40]
@@ -90,7 +92,7 @@ def test_codec_is_chosen_per_tensor() -> None:
     release = encode_delta(base, target, base_version=0, target_version=1)
     codecs = {t.name: t.codec for t in release.manifest.tensors}
     assert codecs["layer.0.norm"] == "same"
-    assert codecs["embed.weight"] == "sparse"
+    assert codecs["embed.weight"] == "nibble"  # lr 1e-4 moves most small weights
     assert codecs["layer.0.fp32"] == "xor"
     live = _copy(target)
     apply_delta(live, release.manifest, release.shards.__getitem__)
@@ -107,6 +109,37 @@ def test_sparse_codec_is_smaller_than_xor_on_an_rl_step() -> None:
     xor = encode_tensor(a, b, w.dtype, opts.model_copy(update={"try_xor_above": 0.0}))
     assert sparse.codec == "sparse"
     assert sparse.nbytes * 1.5 < xor.nbytes or xor.codec == "sparse"
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 2 * NIBBLE_CHUNK + 3])
+def test_nibble_codec_round_trips_both_ways_with_escapes(size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    w = (torch.randn(size, generator=gen) * 0.02).to(torch.bfloat16)
+    new = _rl_step(w, 1e-4, gen).view(-1)
+    new[::97] = torch.randn(new[::97].shape, generator=gen).to(torch.bfloat16)  # escapes
+    a, b = tensor_bits(w), tensor_bits(new)
+    if size > 1000:
+        assert encode_tensor(a, b, w.dtype, CodecOptions(threads=0)).codec == "nibble"
+    streams = [memoryview(s) for s in encode_nibble(b - a, 3, 0)]
+    for live, want, backward in ((a, b, False), (b, a, True)):
+        decoded = decode_tensor("nibble", streams, live, w.dtype, backward=backward)
+        assert decoded.live_xxh3 == xxh3_hex(live) and decoded.result_xxh3 == xxh3_hex(want)
+        out = live.copy()
+        decoded.update.apply(out)
+        assert np.array_equal(out, want)
+
+
+def test_a_corrupt_nibble_stream_is_refused() -> None:
+    base = {"w": (torch.randn(5000) * 0.02).to(torch.bfloat16)}
+    target = {"w": _rl_step(base["w"], 1e-4, torch.Generator().manual_seed(0))}
+    release = encode_delta(base, target, base_version=0, target_version=1)
+    manifest = release.manifest.model_copy(deep=True)
+    assert manifest.tensors[0].codec == "nibble"
+    manifest.tensors[0].frames[0].length -= 1  # a truncated frame, with consistent shards
+    live = _copy(base)
+    with pytest.raises(DeltaVerificationError, match="undecodable"):
+        apply_delta(live, manifest, release.shards.__getitem__)
+    assert _bits_equal(live, base)
 
 
 def test_tiny_shards_round_trip() -> None:
