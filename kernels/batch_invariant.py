@@ -72,49 +72,51 @@ def bi_experts_forward(
     """transformers' experts with fixed-shape GEMMs and a fixed summation order.
 
     hidden (N, H), top_k_index (N, K), top_k_weights (N, K) -> (N, H). Each expert's tokens are
-    gathered into a segment padded to ROW_TILE rows (see ``bi_linear``); a token's output is the
-    sum of its experts' weighted outputs in ascending expert id, as in the eager loop.
+    gathered into a segment padded to ROW_TILE rows (see ``bi_linear``), and one grouped GEMM
+    runs every segment through its expert (per segment the same GEMM as ``F.linear``); a token's
+    output is the sum of its experts' weighted outputs in ascending expert id, as in the eager
+    loop. Expert ids >= num_experts (expert-parallel sentinels) contribute zero.
     """
     if getattr(self, "is_transposed", False) or getattr(self, "has_bias", False):
         raise BatchInvariantUnsupported(f"{type(self).__name__}: transposed/biased experts")
     n, k = top_k_index.shape
+    num = self.num_experts
     experts, slot = top_k_index.sort(dim=-1)  # (N, K): each token's experts ascending
-    weights = top_k_weights.gather(-1, slot)
     flat = experts.reshape(-1)  # pair p = token * K + j
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=self.num_experts + 1)  # +1: "no expert" sentinel
-    padded = (counts + ROW_TILE - 1) // ROW_TILE * ROW_TILE
-    seg_start = torch.cumsum(padded, 0) - padded
-    pair_start = torch.cumsum(counts, 0) - counts
-    grouped = flat[order]
-    dest = seg_start[grouped] + torch.arange(n * k, device=flat.device) - pair_start[grouped]
-    rows = int(padded.sum())
-    buf = hidden_states.new_zeros(rows, hidden_states.shape[1]).index_copy(
-        0, dest, hidden_states[order // k]
-    )  # (rows, H): expert segments, zero-padded
-    starts, sizes = seg_start.tolist(), padded.tolist()
-    live = [e for e in range(self.num_experts) if sizes[e]]
-    gate_up = torch.cat([F.linear(buf[starts[e]: starts[e] + sizes[e]], self.gate_up_proj[e])
-                         for e in live])  # (live rows, 2I)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = bi_silu(gate) * up
-    seg = 0
-    outs = []
-    for e in live:
-        outs.append(F.linear(act[seg: seg + sizes[e]], self.down_proj[e]))
-        seg += sizes[e]
-    down = torch.cat(outs)  # (live rows, H)
-    live_start = torch.zeros_like(seg_start)
-    live_start[live] = torch.cumsum(padded[live], 0) - padded[live]
-    real = grouped < self.num_experts  # expert-parallel sentinels carry no expert
-    pair_dest = torch.empty_like(dest)
-    pair_dest[order] = torch.where(real, live_start[grouped] + dest - seg_start[grouped], 0)
-    weights = weights.masked_fill(experts >= self.num_experts, 0.0)
-    contrib = down.index_select(0, pair_dest).view(n, k, -1) * weights[..., None]  # (N, K, H)
+    counts = torch.bincount(flat, minlength=num + 1)  # ids >= num: expert-parallel sentinels
+    pad = (-counts).remainder_(ROW_TILE)  # zero rows closing each expert's segment
+    ends = torch.cumsum(counts + pad, 0)
+    limits = ends[num - 1 :].tolist()
+    rows, total = limits[0], limits[-1]  # rows of real experts; with the sentinels' rows
+    if rows == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
+    # the i-th pair in expert order goes to row i + (padding rows of the experts before it)
+    dest = (torch.cumsum(pad, 0) - pad)[flat[order]] + torch.arange(n * k, device=flat.device)
+    buf = hidden_states.new_zeros(total, hidden_states.shape[1]).index_copy_(
+        0, dest, hidden_states[order // k])[:rows]  # (rows, H): zero-padded expert segments
+    offs = ends[:num].to(torch.int32)
+    gate, up = _grouped_mm(buf, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+    down = _grouped_mm(bi_silu(gate) * up, self.down_proj.transpose(-2, -1), offs)  # (rows, H)
+    pair_row = torch.empty_like(dest).index_copy_(0, order, dest)  # pair p -> its row
+    weights = top_k_weights.gather(-1, slot)  # (N, K) in ascending expert order
+    if total > rows:  # sentinels: read row 0 with weight 0
+        sentinel = experts >= num
+        pair_row = pair_row.masked_fill_(sentinel.view(-1), 0)
+        weights = weights.masked_fill(sentinel, 0.0)
+    contrib = down.index_select(0, pair_row).view(n, k, -1) * weights[..., None]  # (N, K, H)
     out = contrib[:, 0]
     for j in range(1, k):  # fixed order: ascending expert id
         out = out + contrib[:, j]
     return out
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x (M, In) times weight[e] (In, Out); rows past offs[-1] unused.
+
+    On CPU, ATen runs one GEMM per group, bit for bit ``F.linear`` on that slice.
+    """
+    return F.grouped_mm(x, weight, offs=offs)
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
