@@ -46,7 +46,7 @@ def first_turn_prompt(chat: Any, task: Task) -> str:
     """The harness's first-turn context as text that tokenizes back to the very same ids."""
     from simulate.rollouts import SYSTEM_PROMPT
 
-    ids = chat.prompt(SYSTEM_PROMPT, task.prompt)
+    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file)
     text = str(chat.tokenizer.decode(ids, skip_special_tokens=False))
     again = list(chat.tokenizer(text, add_special_tokens=False)["input_ids"])
     if again != ids:

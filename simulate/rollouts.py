@@ -25,7 +25,7 @@ from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.tasks import Task
 from simulate.tools import ToolParseError, ToolResult, ToolWorkspace, parse_tool_call
 
-SYSTEM_PROMPT = "Tools: write_file solution.py, run_tests, finish."
+SYSTEM_PROMPT = "Tools: apply_edit or write_file solution.py, run_tests, finish."
 
 
 class SandboxCache:
@@ -62,7 +62,7 @@ class TaskEnvironment:
         return SYSTEM_PROMPT
 
     def task_prompt(self) -> str:
-        return self.task.prompt
+        return self.task.starting_file
 
     def step(self, text: str) -> tuple[str, bool]:
         call = parse_tool_call(text)

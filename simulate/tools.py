@@ -98,9 +98,9 @@ class ToolWorkspace:
 
     @classmethod
     def create(cls, root: Path, task: Task, **options: object) -> ToolWorkspace:
-        """Write the task's files and its prompt as `solution.py` into an empty `root`."""
+        """Write the task's files and its starting `solution.py` into an empty `root`."""
         root.mkdir(parents=True, exist_ok=True)
-        for relative, content in {**task.files, SOLUTION_FILE: task.prompt}.items():
+        for relative, content in {**task.files, SOLUTION_FILE: task.starting_file}.items():
             (root / relative).parent.mkdir(parents=True, exist_ok=True)
             (root / relative).write_text(content)
         return cls(root=root.resolve(), task=task, **options)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Mid-training: next-token prediction on transcripts of the train tasks, as the harness shows them.
 
-Each train task becomes the episode a good agent would have: system prompt, the task, a
-`write_file` of the canonical solution, `run_tests` and its real observation, `finish`. The
+Each train task becomes the episode a good agent would have: system prompt, the task, an
+`apply_edit` of the stub's `pass` into the canonical body (a `write_file` of the whole program
+for tasks without a stub), `run_tests` and its observation, `finish`. The
 loss covers the assistant turns only (the tokens the policy will later be asked to produce), so
 the tiny model learns the tool format and some solutions; RL then has to get the held-out
 parameter values right.
@@ -11,30 +12,38 @@ from __future__ import annotations
 
 import random
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
-from simulate.tasks import Task
+from simulate.tasks import STUB_BODY, Task
+from simulate.tools import SOLUTION_FILE, ToolWorkspace
 from trainer.policy import Policy
 
 
-def solution_text(task: Task) -> str:
-    """The file an agent writes: the signature line and the canonical body."""
-    signature = task.prompt.splitlines()[0]
-    return f"{signature}\n{task.canonical_solution or ''}"
+def demonstration_call(task: Task) -> str:
+    """The tool call that solves `task` in one turn: replace the stub's `pass` line with the
+    canonical body, or write the whole program when the task has no such stub."""
+    solution = task.canonical_solution or ""
+    if task.stub is not None and task.stub.count(STUB_BODY) == 1:
+        return f"<tool>apply_edit {SOLUTION_FILE}\n<<<\n{STUB_BODY}===\n{solution}>>>\n</tool>"
+    return f"<tool>write_file {SOLUTION_FILE}\n{task.prompt}{solution}</tool>"
 
 
 def transcript(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of the demonstration episode for `task`."""
-    ids = chat.prompt(SYSTEM_PROMPT, task.prompt)
+    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file)
     mask = [0] * len(ids)
-    turns = [f"<tool>write_file solution.py\n{solution_text(task)}</tool>",
-             "<tool>run_tests</tool>", "<tool>finish</tool>"]
+    first = demonstration_call(task)
+    turns = [first, "<tool>run_tests</tool>", "<tool>finish</tool>"]
     tests = len(re.findall(r"^def test_", task.tests, flags=re.M))
-    observations = ["wrote solution.py", f"passed: {tests}/{tests} tests passed"]
+    with tempfile.TemporaryDirectory(prefix="midtrain-") as tmp:  # the tool's own reply
+        edited = ToolWorkspace.create(Path(tmp), task).step(first).observation
+    observations = [edited, f"passed: {tests}/{tests} tests passed"]
     for i, turn in enumerate(turns):
         reply = chat.encode(turn) + [chat.im_end]
         ids += reply + chat.newline

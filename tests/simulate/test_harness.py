@@ -50,7 +50,7 @@ def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
     (seg,) = traj.segments
     assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs)
     assert traj.turns == 2 and len(traj.texts) == 2
-    prompt = chat.prompt(SYSTEM_PROMPT, task.prompt)
+    prompt = chat.prompt(SYSTEM_PROMPT, task.starting_file)
     assert seg.token_ids[:len(prompt)] == prompt and not any(seg.loss_mask[:len(prompt)])
     # every model span ends at <|im_end|> or at max_tokens; observations are mask 0
     assert all(lp < 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m)

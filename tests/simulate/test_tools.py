@@ -54,7 +54,7 @@ def test_parser_never_raises_on_random_model_text() -> None:
 
 
 def test_write_then_run_tests_passes(add_3: ToolWorkspace) -> None:
-    assert add_3.step("<tool>read_file solution.py</tool>").observation == add_3.task.prompt
+    assert add_3.step("<tool>read_file solution.py</tool>").observation == add_3.task.starting_file
     write = add_3.step('<tool>write_file solution.py\ndef add_3(x):\n    return x + 3\n</tool>')
     assert write.observation == "wrote 31 characters to solution.py"  # 14 + 17
     result = add_3.step("<tool>run_tests</tool>")
