@@ -11,16 +11,24 @@ For the default tiny Qwen3-MoE and a larger MoE (random init, fixed seed, no dow
 This uses its own decode loop over the HF model rather than serving.TorchEngine (an async,
 tokenizer-driven service), calling the same kernels API the engine calls.
 
-    .venv/bin/python bench/numerics.py            # ~3 minutes on 2 shared cores
+Slowdowns are same-process ratios: off and on alternate for ``--rounds`` rounds on one model and
+the median of the per-round ratios is reported, so load from other processes cancels out.
+``slowdown`` divides process CPU time (one intra-op thread: the decode's own work, not the time
+spent descheduled); ``slowdown_wall`` divides wall time. Token counts are equal in both modes.
+
+    .venv/bin/python bench/numerics.py [--rounds 3]   # ~6 minutes on 2 shared cores
 The last line is one JSON object (default model at top level, the larger one under "larger").
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -30,6 +38,21 @@ from kernels.bi_ops import token_logprobs
 from kernels.moe_replay import capture_routes, replay_routes, stack_routes
 
 WAVES = (1, 32, 4, 11, 2, 17)  # serving batch sizes, one static batch each
+
+
+class Seconds(NamedTuple):
+    wall: float
+    cpu: float
+
+    @staticmethod
+    def now() -> Seconds:
+        return Seconds(time.perf_counter(), time.process_time())
+
+    def __sub__(self, other: tuple[float, ...]) -> Seconds:  # type: ignore[override]
+        return Seconds(self.wall - other[0], self.cpu - other[1])
+
+    def __add__(self, other: tuple[float, ...]) -> Seconds:  # type: ignore[override]
+        return Seconds(self.wall + other[0], self.cpu + other[1])
 
 
 def tiny_config() -> Qwen3MoeConfig:
@@ -102,26 +125,25 @@ def serve_wave(model: torch.nn.Module, prompts: list[list[int]], new_tokens: lis
     return rows
 
 
-def serve(model: torch.nn.Module, seed: int) -> tuple[list[Rollout], float]:
-    """All waves; returns the rollouts and decode throughput (sampled tokens per second)."""
+def serve(model: torch.nn.Module, seed: int) -> tuple[list[Rollout], Seconds]:
+    """All waves; returns the rollouts and the time they took (prefill, decode, sampling)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    vocab, rollouts, start = model.config.vocab_size, [], time.perf_counter()
+    vocab, rollouts, start = model.config.vocab_size, [], Seconds.now()
     for size in WAVES:
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(size)]
         rollouts += serve_wave(model, prompts, [rng.randint(8, 24) for _ in range(size)], gen)
-    elapsed = time.perf_counter() - start
-    return rollouts, sum(len(r.logprobs) for r in rollouts) / elapsed
+    return rollouts, Seconds.now() - start
 
 
 def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
-          seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+          seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Seconds]:
     """Full-sequence forwards over shuffled batches of 16; per rollout: logprobs (n,) and the
     experts used (T-1, L, K). Returns those and the forward time."""
     order = list(range(len(rollouts)))
     random.Random(seed + 1).shuffle(order)
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
     used: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
-    elapsed = 0.0
+    elapsed = Seconds(0.0, 0.0)
     for chunk in (order[i:i + 16] for i in range(0, len(order), 16)):
         batch = [rollouts[i] for i in chunk]
         length = max(len(r.tokens) for r in batch)
@@ -130,7 +152,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
         for b, r in enumerate(batch):
             ids[b, :len(r.tokens)], mask[b, :len(r.tokens)] = torch.tensor(r.tokens), 1
         routes = stack_routes([r.routes[0] for r in batch], length)
-        start = time.perf_counter()
+        start = Seconds.now()
         with torch.no_grad(), capture_routes(model) as recorder:
             if replay:
                 with replay_routes(model, routes):
@@ -138,7 +160,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
             else:
                 logits = model(input_ids=ids, attention_mask=mask).logits
             lp = token_logprobs(logits[:, :-1], ids[:, 1:])  # (B, T-1)
-        elapsed += time.perf_counter() - start
+        elapsed = elapsed + (Seconds.now() - start)
         seen = recorder.steps[0].routes
         for b, (i, r) in enumerate(zip(chunk, batch, strict=True)):
             n = len(r.tokens)
@@ -147,10 +169,11 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
     return logprobs, used, elapsed
 
 
-def compare(model: torch.nn.Module, on: bool, seed: int) -> tuple[dict[str, float], float, float]:
-    """Serve then train in one mode; the mismatch figures, decode tokens/s and trainer time."""
+def compare(model: torch.nn.Module, on: bool,
+            seed: int) -> tuple[dict[str, float], int, Seconds, Seconds]:
+    """Serve then train in one mode: mismatch figures, served tokens, serve and trainer time."""
     (enable_batch_invariant if on else disable_batch_invariant)(model)
-    rollouts, tokens_per_s = serve(model, seed)
+    rollouts, serve_s = serve(model, seed)
     trained, used, train_s = train(model, rollouts, replay=on, seed=seed)
     served = torch.cat([torch.tensor(r.logprobs) for r in rollouts])
     delta = (served - torch.cat(trained)).abs()
@@ -165,28 +188,43 @@ def compare(model: torch.nn.Module, on: bool, seed: int) -> tuple[dict[str, floa
         "tokens_differing": float((delta > 0).float().mean()),
         "expert_disagreement": float(torch.cat(differs).float().mean()),
     }
-    return figures, tokens_per_s, train_s
+    return figures, len(served), serve_s, train_s
 
 
-def run(name: str, config: Qwen3MoeConfig, seed: int = 0) -> dict[str, object]:
+def run(name: str, config: Qwen3MoeConfig, rounds: int, seed: int = 0) -> dict[str, object]:
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).eval()
     compare(model, on=False, seed=seed + 100)  # warm-up (allocator, kernels)
-    off, off_tps, off_train = compare(model, on=False, seed=seed)
-    on, on_tps, on_train = compare(model, on=True, seed=seed)
-    on["slowdown"] = off_tps / on_tps  # decode tokens/s, off over on
-    on["trainer_slowdown"] = on_train / off_train
-    print(f"{name}: decode {off_tps:.0f} -> {on_tps:.0f} tok/s, trainer forward "
-          f"{off_train:.2f} -> {on_train:.2f} s (off -> on)")
+    ratios: dict[str, list[float]] = {"cpu": [], "wall": [], "trainer": []}
+    for _ in range(rounds):  # off and on alternate: both see the same load from other processes
+        off, tokens, off_serve, off_train = compare(model, on=False, seed=seed)
+        on, _, on_serve, on_train = compare(model, on=True, seed=seed)
+        ratios["cpu"].append(on_serve.cpu / off_serve.cpu)
+        ratios["wall"].append(on_serve.wall / off_serve.wall)
+        ratios["trainer"].append(on_train.cpu / off_train.cpu)
+    on["slowdown"] = statistics.median(ratios["cpu"])  # decode tokens/s, off over on
+    on["slowdown_wall"] = statistics.median(ratios["wall"])
+    on["trainer_slowdown"] = statistics.median(ratios["trainer"])
+    print(f"{name}: decode {tokens / off_serve.wall:.0f} -> {tokens / on_serve.wall:.0f} tok/s "
+          f"(last round), slowdown per round (cpu) "
+          + " ".join(f"{r:.2f}" for r in ratios["cpu"])
+          + f"; trainer forward {off_train.wall:.2f} -> {on_train.wall:.2f} s (off -> on)")
     for mode, figures in (("off", off), ("on", on)):
         print(f"  {mode:3s} " + "  ".join(f"{k}={v:.3g}" for k, v in figures.items()))
     return {"off": off, "on": on}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="off/on rounds per model (median)")
+    parser.add_argument("--only", choices=("default", "larger"), help="run one model only")
+    args = parser.parse_args()
     torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning across busy cores costs 10-100x
-    result = run("default", tiny_config())
-    result["larger"] = run("larger", larger_config())
+    result: dict[str, object] = {}
+    if args.only != "larger":
+        result = run("default", tiny_config(), args.rounds)
+    if args.only != "default":
+        result["larger"] = run("larger", larger_config(), args.rounds)
     print(json.dumps({"bench": "numerics", **result}))
 
 
