@@ -70,6 +70,7 @@ class JoinSettings(BaseModel):
     database_url: str | None = None  # None: SQLite `join.db` under the data dir
     expire_after_s: float = Field(default=6 * 3600, gt=0)
     sweep_every_s: float = Field(default=5.0, gt=0)
-    max_poll_records: int = Field(default=1000, ge=1, le=100_000)
+    max_poll_records: int = Field(default=5000, ge=1, le=100_000)  # records per SQL round
+    session_cache: int = Field(default=10_000, ge=0)  # recent sessions kept decoded in memory
     poll_timeout_ms: int = Field(default=200, ge=1)
     rewards: RewardMap = RewardMap()

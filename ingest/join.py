@@ -3,8 +3,11 @@
 A consumer-group process (`flywheel join`) reads `sessions` and `feedback`, matches them by
 generation_id in SQL (either may come first), and for every unique feedback event that meets
 its session produces one `ExperienceReady` to `experiences`, keyed by an experience id derived
-from the event id. Each poll runs: store records and matches (one SQL transaction, the
-experiences go to an outbox) -> produce the outbox, await acks, mark it -> commit offsets.
+from the event id. Each poll runs: store records and matches (one SQL transaction of a few
+set-based statements, the experiences go to an outbox) -> produce the outbox (from memory; after
+a restart, from SQL), await acks, mark it -> commit offsets. Recent sessions stay decoded in
+memory (`RecentSessions`), and each session's members of the experience JSON are serialized
+once (`session_members`), so an experience costs little more than its produce.
 A crash anywhere re-delivers records that the SQL ledger then ignores; outbox rows produced
 but not marked are found on restart by scanning the topic's tail, so nothing counts twice.
 Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
@@ -17,21 +20,25 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from pydantic import TypeAdapter
 from sqlalchemy import Connection, delete, select, update
 
 from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import (
+    SCHEMA_VERSION,
     DeadLetter,
     ExperienceReady,
     FeedbackReceived,
     GenerationLogged,
-    decode,
     encode,
     experience_id_for,
+    utcnow,
 )
 from ingest.join_state import (
     EXPIRED,
@@ -45,11 +52,15 @@ from ingest.join_state import (
     insert_new,
     mark_produced,
     open_state,
+    pending_feedback,
+    set_matched,
+    stored_sessions,
 )
-from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics
+from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics, partition_for
 from ingest.rewards import reward_for
 
 log = logging.getLogger(__name__)
+_PRODUCE_CHUNK = 20_000  # experiences per produce-and-mark round
 
 
 @dataclass
@@ -75,6 +86,73 @@ def build_experience(session: GenerationLogged, feedback: FeedbackReceived,
         finish_reason=session.finish_reason, generated_at=session.created_at)
 
 
+_SESSION_PART = {"model_version", "model_sha256", "prompt_token_ids", "completion_token_ids",
+                 "logprobs", "routed_experts", "sampling", "finish_reason"}
+_TIME = TypeAdapter(datetime)
+
+
+def session_members(session: GenerationLogged) -> bytes:
+    """The session's members of every ExperienceReady it yields, as JSON object members
+    (`"model_version":…,"generated_at":…`), serialized once per session."""
+    members = session.model_dump_json(include=_SESSION_PART)[1:-1]
+    return members.encode() + b',"generated_at":' + _TIME.dump_json(session.created_at)
+
+
+def joined_at_member(joined_at: datetime) -> bytes:
+    return b',"joined_at":' + _TIME.dump_json(joined_at)
+
+
+def experience_json(session: GenerationLogged, members: bytes, feedback: FeedbackReceived,
+                    reward: float, joined: bytes) -> bytes:
+    """`encode(build_experience(session, feedback, reward))` up to member order, from the
+    session's pre-serialized members and `joined_at_member(...)`: only the feedback's few
+    fields are serialized here. SPLICED_FIELDS must stay all of ExperienceReady's fields."""
+    head = {"event": "ExperienceReady", "schema_version": SCHEMA_VERSION,
+            "experience_id": experience_id_for(feedback.event_id),
+            "generation_id": session.generation_id, "feedback_event_ids": [feedback.event_id],
+            "feedback_kind": feedback.kind, "feedback_value": feedback.value, "reward": reward}
+    try:
+        text = json.dumps(head, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # inf/nan: pydantic's own rules for them
+        return encode(build_experience(session, feedback, reward))
+    return text[:-1].encode() + b"," + members + joined + b"}"
+
+
+SPLICED_FIELDS = {"event", "schema_version", "experience_id", "generation_id",
+                  "feedback_event_ids", "feedback_kind", "feedback_value", "reward",
+                  "generated_at", "joined_at", *_SESSION_PART}
+
+
+@dataclass
+class _Match:
+    """A session as the join uses it: decoded once, its experience members serialized once."""
+
+    session: GenerationLogged
+    members: bytes
+
+
+class RecentSessions:
+    """The last `capacity` sessions this join stored, decoded: feedback mostly follows its
+    session closely, and then needs neither the SQL read nor a second decode of it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: dict[str, _Match] = {}
+
+    def get(self, generation_id: str) -> _Match | None:
+        return self._items.get(generation_id)
+
+    def add(self, matches: dict[str, _Match]) -> None:
+        items = self._items
+        items.update(matches)
+        for _ in range(len(items) - self.capacity):
+            del items[next(iter(items))]
+
+    def forget(self, generation_ids: Iterable[str]) -> None:
+        for generation_id in generation_ids:
+            self._items.pop(generation_id, None)
+
+
 class Join:
     """One member of the join's consumer group; `run()` until `stop` is set."""
 
@@ -93,6 +171,9 @@ class Join:
             max_poll_records=settings.max_poll_records)
         self._next_sweep = 0.0
         self._recovered = False
+        self._outbox_loaded = False  # the first drain reads what a predecessor left unproduced
+        self._outbox: list[tuple[str, bytes]] = []  # stored by this process, not produced yet
+        self._recent = RecentSessions(settings.session_cache)
 
     def run(self, stop: threading.Event) -> JoinStats:
         try:
@@ -119,82 +200,98 @@ class Join:
         return len(records)
 
     def absorb(self, records: list[Delivered[Any]]) -> None:
-        """Store sessions and new feedback, and queue an experience per new match."""
+        """Store sessions and new feedback, and queue an experience per new match: new
+        feedback meets sessions of this poll or stored ones; sessions of this poll meet
+        stored pending feedback. One transaction, a few set-based statements."""
         now = self.clock()
-        sessions = {d.event.generation_id: d.event for d in records
+        sessions = {d.event.generation_id: d for d in records
                     if isinstance(d.event, GenerationLogged)}
-        feedback = {d.event.event_id: d.event for d in records
+        feedback = {d.event.event_id: d for d in records
                     if isinstance(d.event, FeedbackReceived)}
         with self.db.begin() as conn:
             known = existing_ids(conn, JoinFeedback.event_id, feedback)
-            fresh = [f for e, f in feedback.items() if e not in known]
+            fresh = [d.event for e, d in feedback.items() if e not in known]
             self.stats.duplicates += sum(isinstance(d.event, FeedbackReceived)
                                          for d in records) - len(fresh)
+            matches = {g: _Match(d.event, session_members(d.event))
+                       for g, d in sessions.items()}
+            stored = self._stored_matches(conn, {f.generation_id for f in fresh} - set(sessions))
+            matches.update(stored)
+            waiting = pending_feedback(conn, set(sessions))
+            pairs = [(f, matches[f.generation_id]) for f in fresh
+                     if f.generation_id in matches]
+            pairs += [(f, matches[f.generation_id]) for f in waiting]
+            matched_generations = {f.generation_id for f, _ in pairs}
             insert_new(self.db, JoinSession, [
-                {"generation_id": g, "payload": encode(s).decode(), "first_seen": now}
-                for g, s in sessions.items()], conn)
+                {"generation_id": g, "payload": d.raw.decode(), "first_seen": now,
+                 "matched": g in matched_generations} for g, d in sessions.items()], conn)
             insert_new(self.db, JoinFeedback, [
                 {"event_id": f.event_id, "generation_id": f.generation_id,
-                 "payload": encode(f).decode(), "first_seen": now, "state": PENDING}
+                 # a matched event's payload is never read again: only pending ones keep it
+                 "payload": "" if f.generation_id in matches
+                 else feedback[f.event_id].raw.decode(),
+                 "first_seen": now,
+                 "state": MATCHED if f.generation_id in matches else PENDING}
                 for f in fresh], conn)
+            set_matched(conn, [f.event_id for f in waiting], set(stored) & matched_generations)
             self.stats.sessions += len(sessions)
             self.stats.feedback += len(fresh)
-            self.match(conn, set(sessions) | {f.generation_id for f in fresh},
-                       sessions, feedback)
+            self._queue(conn, pairs)
+        self._recent.add({g: matches[g] for g in sessions})
 
-    def match(self, conn: Connection, generation_ids: set[str],
-              sessions: dict[str, GenerationLogged],
-              feedback: dict[str, FeedbackReceived]) -> None:
-        """Queue an experience for every pending feedback of `generation_ids` whose session
-        is stored; records of this poll are used as decoded, older ones decoded from SQL."""
-        ids = sorted(generation_ids)
-        for start in range(0, len(ids), 5000):
-            chunk = ids[start:start + 5000]
-            rows = conn.execute(
-                select(JoinFeedback.event_id, JoinFeedback.payload, JoinSession.generation_id,
-                       JoinSession.payload)
-                .join(JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)
-                .where(JoinFeedback.state == PENDING, JoinFeedback.generation_id.in_(chunk))
-            ).all()
-            if rows:
-                self._queue_matches(conn, rows, dict(sessions), feedback)
+    def _stored_matches(self, conn: Connection, generation_ids: set[str]) -> dict[str, _Match]:
+        """Stored sessions among `generation_ids`: recent ones from memory, others from SQL."""
+        found = {g: m for g in generation_ids if (m := self._recent.get(g)) is not None}
+        loaded = stored_sessions(conn, generation_ids - set(found))
+        fetched = {g: _Match(s, session_members(s)) for g, s in loaded.items()}
+        self._recent.add(fetched)
+        return {**found, **fetched}
 
-    def _queue_matches(self, conn: Connection, rows: list[Any],
-                       sessions: dict[str, GenerationLogged],
-                       feedback: dict[str, FeedbackReceived]) -> None:
-        outbox, matched_ids = [], []
-        for event_id, feedback_raw, generation_id, session_raw in rows:
-            session = sessions.get(generation_id)
-            if session is None:
-                session = sessions[generation_id] = decode(GenerationLogged, session_raw)
-            fb = feedback.get(event_id) or decode(FeedbackReceived, feedback_raw)
-            experience = build_experience(session, fb, reward_for(fb, self.settings.rewards))
-            outbox.append({"experience_id": experience.experience_id, "event_id": event_id,
-                           "generation_id": generation_id,
-                           "payload": encode(experience).decode(), "produced": False})
-            matched_ids.append(event_id)
-        insert_new(self.db, JoinExperience, outbox, conn)
-        conn.execute(update(JoinFeedback).where(JoinFeedback.event_id.in_(matched_ids))
-                     .values(state=MATCHED))
-        conn.execute(update(JoinSession).where(JoinSession.generation_id.in_(
-            {row[2] for row in rows})).values(matched=True))
+    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, _Match]]) -> None:
+        """Build the experiences of `pairs` into the outbox (this transaction) and memory."""
+        rewards, joined = self.settings.rewards, joined_at_member(utcnow())
+        rows = [(experience_id_for(f.event_id), f.event_id, m.session.generation_id,
+                 experience_json(m.session, m.members, f, reward_for(f, rewards), joined))
+                for f, m in pairs]
+        insert_new(self.db, JoinExperience, [
+            {"experience_id": x, "event_id": e, "generation_id": g, "payload": p.decode(),
+             "produced": False} for x, e, g, p in rows], conn)
+        self._outbox += [(x, p) for x, _, _, p in rows]
 
     def drain(self) -> None:
         """Produce every unproduced experience, await the acks, then mark them produced."""
-        with self.db.connect() as conn:
-            rows = conn.execute(select(JoinExperience.experience_id, JoinExperience.payload)
-                                .where(JoinExperience.produced == False)  # noqa: E712
-                                .limit(20_000)).all()
-        if not rows:
-            return
-        topic = self.kafka.topics.experiences
-        futures = [self.producer.send_raw(topic, eid, payload.encode()) for eid, payload in rows]
-        offsets: dict[int, int] = {}
+        if not self._outbox_loaded:  # what a predecessor (or this one, so far) left behind
+            with self.db.connect() as conn:
+                self._outbox = [(x, p.encode()) for x, p in conn.execute(
+                    select(JoinExperience.experience_id, JoinExperience.payload)
+                    .where(JoinExperience.produced == False))]  # noqa: E712
+            self._outbox_loaded = True
+        rows, self._outbox = self._outbox, []
+        try:
+            for start in range(0, len(rows), _PRODUCE_CHUNK):
+                self._produce(rows[start:start + _PRODUCE_CHUNK])
+        except BaseException:
+            self._outbox_loaded = False  # re-read from SQL: nothing stored is forgotten
+            raise
+
+    def _produce(self, rows: list[tuple[str, bytes]]) -> None:
+        producer, topic = self.producer, self.kafka.topics.experiences
+        partitions = producer.partitions(topic)
+        futures, last = [], {}
+        for experience_id, payload in rows:
+            key = experience_id.encode()
+            partition = partition_for(key, partitions)
+            futures.append(future := producer.send_raw(topic, key, payload,
+                                                       partition=partition))
+            last[partition] = future
+        timeout_s = self.kafka.delivery_timeout_ms / 1000
+        producer.flush(timeout_s)
         for future in futures:
-            meta = future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
-            offsets[meta.partition] = max(offsets.get(meta.partition, -1), meta.offset)
+            if not future.is_done or future.failed():
+                future.get(timeout=timeout_s)  # raises the broker's error
+        offsets = {p: f.get(timeout=timeout_s).offset for p, f in last.items()}
         with self.db.begin() as conn:
-            mark_produced(conn, [eid for eid, _ in rows], offsets)
+            mark_produced(conn, [x for x, _ in rows], offsets)
         self.stats.experiences += len(rows)
 
     def recover(self) -> None:
@@ -246,6 +343,7 @@ class Join:
             for start in range(0, len(stale_sessions), 5000):
                 ids = [g for g, _, _ in stale_sessions[start:start + 5000]]
                 conn.execute(delete(JoinSession).where(JoinSession.generation_id.in_(ids)))
+        self._recent.forget(g for g, _, _ in stale_sessions)
         self.stats.expired_feedback += len(stale_feedback)
         self.stats.expired_sessions += sum(1 for *_, m in stale_sessions if not m)
 

@@ -3,7 +3,8 @@
 Four tables, owned by `ingest.join`:
 - `join_session`: sessions seen (the GenerationLogged JSON), until they expire.
 - `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
-  pending (no session yet), matched, or expired.
+  pending (no session yet; the FeedbackReceived JSON kept for the match), matched, or
+  expired.
 - `join_experience`: the outbox: experiences built at match time, `produced` once acked.
 - `join_progress`: per experiences partition, the highest offset this join saw acked, so a
   restart scans only the tail of the topic for records it produced but did not mark.
@@ -11,14 +12,20 @@ Four tables, owned by `ingest.join`:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy import Engine, Text, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
+from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
+from ingest.log import decode_all
+
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
+_CHUNK = 5000  # ids per IN (...): under SQLite's and PostgreSQL's parameter limits
+E = TypeVar("E", bound=BaseModel)
 
 
 class JoinSession(SQLModel, table=True):
@@ -90,21 +97,68 @@ def insert_new(engine: Engine, table: type[SQLModel], rows: Sequence[dict[str, o
     conn.execute(stmt, list(rows))  # type: ignore[attr-defined]
 
 
-def existing_ids(conn: object, column: object, ids: Iterable[str]) -> set[str]:
+def _chunks(ids: Iterable[str]) -> Iterator[list[str]]:
     wanted = sorted(set(ids))
+    for start in range(0, len(wanted), _CHUNK):
+        yield wanted[start:start + _CHUNK]
+
+
+def existing_ids(conn: object, column: object, ids: Iterable[str]) -> set[str]:
     found: set[str] = set()
-    for start in range(0, len(wanted), 5000):
-        chunk = wanted[start:start + 5000]
+    for chunk in _chunks(ids):
         found.update(conn.execute(  # type: ignore[attr-defined]
             select(column).where(column.in_(chunk))).scalars())  # type: ignore[attr-defined]
     return found
 
 
+def _decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
+    """Payloads this join stored after decoding them once: an error here is a bug, raised."""
+    events = decode_all(event_type, [p.encode() for p in payloads])
+    for event_ in events:
+        if isinstance(event_, EventDecodeError):
+            raise event_
+    return events  # type: ignore[return-value]
+
+
+def stored_sessions(conn: object, generation_ids: Collection[str]
+                    ) -> dict[str, GenerationLogged]:
+    """The stored sessions among `generation_ids`, decoded."""
+    ids: list[str] = []
+    payloads: list[str] = []
+    for chunk in _chunks(generation_ids):
+        for generation_id, payload in conn.execute(  # type: ignore[attr-defined]
+                select(JoinSession.generation_id, JoinSession.payload)
+                .where(JoinSession.generation_id.in_(chunk))):  # type: ignore[attr-defined]
+            ids.append(generation_id)
+            payloads.append(payload)
+    return dict(zip(ids, _decoded(GenerationLogged, payloads), strict=True))
+
+
+def pending_feedback(conn: object, generation_ids: Collection[str]) -> list[FeedbackReceived]:
+    """Stored feedback still waiting for one of `generation_ids`, decoded."""
+    payloads: list[str] = []
+    for chunk in _chunks(generation_ids):
+        payloads += conn.execute(select(JoinFeedback.payload).where(  # type: ignore[attr-defined]
+            JoinFeedback.state == PENDING,
+            JoinFeedback.generation_id.in_(chunk))).scalars()  # type: ignore[attr-defined]
+    return _decoded(FeedbackReceived, payloads)
+
+
+def set_matched(conn: object, event_ids: Collection[str],
+                generation_ids: Collection[str]) -> None:
+    """Stored feedback `event_ids` and stored sessions `generation_ids` found their match."""
+    for chunk in _chunks(event_ids):
+        conn.execute(update(JoinFeedback).where(  # type: ignore[attr-defined]
+            JoinFeedback.event_id.in_(chunk)).values(state=MATCHED))  # type: ignore[attr-defined]
+    for chunk in _chunks(generation_ids):
+        conn.execute(update(JoinSession).where(  # type: ignore[attr-defined]
+            JoinSession.generation_id.in_(chunk)).values(matched=True))  # type: ignore[attr-defined]
+
+
 def mark_produced(conn: object, experience_ids: Sequence[str],
                   offsets: dict[int, int]) -> None:
     """Mark outbox rows produced and remember the highest acked offset per partition."""
-    for start in range(0, len(experience_ids), 5000):
-        chunk = list(experience_ids[start:start + 5000])
+    for chunk in _chunks(experience_ids):
         conn.execute(update(JoinExperience).where(  # type: ignore[attr-defined]
             JoinExperience.experience_id.in_(chunk)).values(produced=True))  # type: ignore[attr-defined]
     for partition, offset in offsets.items():

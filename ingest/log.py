@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ingest.config import KafkaConfig
 from ingest.events import DeadLetter, EventDecodeError, decode, encode
@@ -99,13 +99,40 @@ class EventProducer:
 
 @dataclass(frozen=True)
 class Delivered(Generic[E]):
-    """One decoded record with where it came from (for commits and dedupe)."""
+    """One decoded record with where it came from (for commits and dedupe) and its bytes."""
 
     topic: str
     partition: int
     offset: int
     key: bytes | None
     event: E
+    raw: bytes = field(default=b"", repr=False, compare=False)
+
+
+_LIST_ADAPTERS: dict[type[BaseModel], TypeAdapter[Any]] = {}
+
+
+def decode_all(event_type: type[E], raws: Sequence[bytes]) -> list[E | EventDecodeError]:
+    """Decode many records: one pydantic call over them as a JSON array when all are valid
+    (the common case), else one by one so each bad record gets its own error."""
+    if len(raws) > 1:
+        adapter = _LIST_ADAPTERS.get(event_type)
+        if adapter is None:
+            adapter = _LIST_ADAPTERS[event_type] = TypeAdapter(list[event_type])  # type: ignore[valid-type]
+        try:
+            events: list[E] = adapter.validate_json(b"[" + b",".join(raws) + b"]")
+        except ValidationError:
+            pass
+        else:
+            if len(events) == len(raws):  # a record holding two values would shift the rest
+                return list(events)
+    out: list[E | EventDecodeError] = []
+    for raw in raws:
+        try:
+            out.append(decode(event_type, raw))
+        except EventDecodeError as exc:
+            out.append(exc)
+    return out
 
 
 class EventConsumer:
@@ -137,14 +164,13 @@ class EventConsumer:
         out: list[Delivered[Any]] = []
         pending = []
         for tp, records in batches.items():
-            event_type = self.types[tp.topic]
-            for rec in records:
-                try:
-                    event = decode(event_type, rec.value or b"")
-                except EventDecodeError as exc:
-                    pending.append(self._dead_letter(tp.topic, rec, str(exc)))
+            raws = [rec.value or b"" for rec in records]
+            for rec, raw, event in zip(records, raws, decode_all(self.types[tp.topic], raws),
+                                       strict=True):
+                if isinstance(event, EventDecodeError):
+                    pending.append(self._dead_letter(tp.topic, rec, str(event)))
                     continue
-                out.append(Delivered(tp.topic, tp.partition, rec.offset, rec.key, event))
+                out.append(Delivered(tp.topic, tp.partition, rec.offset, rec.key, event, raw))
         for future in pending:
             future.get(timeout=self.config.delivery_timeout_ms / 1000)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
 
@@ -24,7 +25,14 @@ from ingest.events import (
     SamplingParams,
     experience_id_for,
 )
-from ingest.join import Join
+from ingest.join import (
+    SPLICED_FIELDS,
+    Join,
+    build_experience,
+    experience_json,
+    joined_at_member,
+    session_members,
+)
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
 
@@ -201,3 +209,22 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
     experiences = read_all(kafka, kafka.topics.experiences, ExperienceReady)
     assert sorted(x.experience_id for x in experiences) == sorted(
         experience_id_for(e.event_id) for e in events)
+
+
+@pytest.mark.parametrize("kind, value, stop, routed", [
+    ("accept", None, [], True), ("edit_kept", 0.25, ['"created_at":', "\\n"], False),
+    ("thumbs_down", -3.5e-7, ["é ünïcode"], True)])
+def test_spliced_experience_json_decodes_to_the_built_experience(
+        kind: str, value: float | None, stop: list[str], routed: bool) -> None:
+    session = synthetic_session("gen-s", np.random.default_rng(5))
+    session = session.model_copy(update={
+        "sampling": session.sampling.model_copy(update={"stop": stop}),
+        "routed_experts": session.routed_experts if routed else None})
+    fb = feedback("gen-s", kind, value=value)
+    reward = reward_for(fb, RewardMap())
+    joined = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    spliced = ExperienceReady.model_validate_json(experience_json(
+        session, session_members(session), fb, reward, joined_at_member(joined)))
+    built = build_experience(session, fb, reward)
+    assert spliced == built.model_copy(update={"joined_at": joined})
+    assert SPLICED_FIELDS == set(ExperienceReady.model_fields)  # a new field must be spliced
