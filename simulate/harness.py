@@ -17,6 +17,7 @@ is one `Segment`; a trajectory is the list of its segments, all sharing the epis
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,12 +139,14 @@ class Harness:
             text = await self._model_turn(segment, seed=_turn_seed(seed, turn, 0))
             traj.texts.append(text)
             traj.turns += 1
-            observation, done = env.step(text)
+            # tools may run the sandbox (a child process): off the loop, so that the other
+            # episodes of the batch keep decoding meanwhile
+            observation, done = await asyncio.to_thread(env.step, text)
             if done:
                 traj.finished = True
                 break
             segment.extend(self.chat.turn("tool", observation) + self.chat.open("assistant"))
-        traj.reward = env.reward()
+        traj.reward = await asyncio.to_thread(env.reward)
         return traj
 
     async def _model_turn(self, segment: Segment, *, seed: int | None) -> str:

@@ -41,6 +41,7 @@ class BootstrapSettings(BaseModel):
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)
     rollout_workers: int = Field(default=1, ge=1)
+    groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
     torch_threads: int = Field(default=1, ge=1)
 
     @property

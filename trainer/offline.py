@@ -32,7 +32,7 @@ from simulate.rollouts import SandboxCache, pass_at_1, rollout_group, solved, un
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
-from trainer.pipeline import PipelineClosedError, StalenessGate
+from trainer.pipeline import PipelineClosedError, Slot, StalenessGate
 from trainer.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class RolloutWorker:
     group_size: int
     cache: SandboxCache
     seed: int = 0
+    groups_in_flight: int = 1  # groups of one step made together: larger decode batches
     busy_s: float = 0.0
     samples: int = 0
     errors: list[str] = field(default_factory=list)
@@ -136,24 +137,30 @@ class RolloutWorker:
         order = random.Random(self.seed)
         try:
             while True:
-                slot = self.gate.claim()
-                self.gate.wait_for_weights(slot.step)
+                slots = self.gate.claim_batch(self.groups_in_flight)
+                self.gate.wait_for_weights(slots[-1].step)
                 version, state = self.weights.latest()
                 if version != self.engine.version.number:
                     load_weights(self.engine, version, state)
                 start = time.monotonic()
-                task = order.choice(self.tasks)
-                group = asyncio.run(rollout_group(self.harness, task, group_size=self.group_size,
-                                                  cache=self.cache, seed=slot.index))
+                tasks = [order.choice(self.tasks) for _ in slots]
+                groups = asyncio.run(self._make_groups(tasks, slots))
                 self.busy_s += time.monotonic() - start
-                self.samples += self.group_size
-                self.gate.submit(slot, group, policy_version=group.policy_version)
+                self.samples += self.group_size * len(slots)
+                for slot, group in zip(slots, groups, strict=True):
+                    self.gate.submit(slot, group, policy_version=group.policy_version)
         except PipelineClosedError:
             return
         except Exception as exc:  # surfaced by the trainer, which then stops the run
             log.exception("rollout worker failed")
             self.errors.append(repr(exc))
             self.gate.close()
+
+
+    async def _make_groups(self, tasks: list[Task], slots: list[Slot]) -> list[RolloutGroup]:
+        return list(await asyncio.gather(*(
+            rollout_group(self.harness, task, group_size=self.group_size, cache=self.cache,
+                          seed=slot.index) for task, slot in zip(tasks, slots, strict=True))))
 
 
 def build_harness(engine: TorchEngine, cfg: BootstrapSettings, *,
@@ -216,7 +223,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         version=policy.version)
     store = WeightStore(policy.version, trainer.state_dict())
     workers = [RolloutWorker(make_engine(policy, seed=cfg.seed + i), None, gate, store,  # type: ignore[arg-type]
-                             train, cfg.group_size, cache, seed=cfg.seed + i)
+                             train, cfg.group_size, cache, seed=cfg.seed + i,
+                             groups_in_flight=cfg.groups_in_flight)
                for i in range(cfg.rollout_workers)]
     for w in workers:
         w.harness = build_harness(w.engine, cfg, temperature=cfg.temperature)

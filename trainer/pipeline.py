@@ -12,6 +12,7 @@ k - 1's update, so the trainer and the rollout side take turns. Larger values le
 
     gate = StalenessGate(groups_per_step=4, max_staleness=1)
     slot = gate.claim()                          # worker: which group to make next
+                                                 # (or claim_batch(n): several of one step)
     version = gate.wait_for_weights(slot.step)   # blocks until version >= step - staleness
     gate.submit(slot, group)                     # admission check, then queued for the step
     groups = gate.take_step(k)                   # trainer: blocks until step k is complete
@@ -82,6 +83,16 @@ class StalenessGate(Generic[G]):
             index = self._next_slot
             self._next_slot += 1
             return Slot(index, index // self.groups_per_step)
+
+    def claim_batch(self, limit: int) -> list[Slot]:
+        """Up to `limit` consecutive slots of one step, so that a worker can make them
+        together with one set of weights (slots of two steps could wait on each other)."""
+        with self._cond:
+            self._raise_if_closed()
+            first = self._next_slot
+            room = self.groups_per_step - first % self.groups_per_step
+            self._next_slot += min(limit, room)
+            return [Slot(i, i // self.groups_per_step) for i in range(first, self._next_slot)]
 
     def min_version(self, step: int) -> int:
         return max(self._first_step, step - self.max_staleness)

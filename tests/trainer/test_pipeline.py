@@ -16,6 +16,13 @@ def test_slots_map_to_steps() -> None:
                                                 Slot(4, 2)]
 
 
+def test_batched_claims_never_span_two_steps() -> None:
+    gate: StalenessGate[str] = StalenessGate(groups_per_step=3, max_staleness=0)
+    assert gate.claim_batch(2) == [Slot(0, 0), Slot(1, 0)]
+    assert gate.claim_batch(2) == [Slot(2, 0)]  # the rest of step 0 only: sync would deadlock
+    assert gate.claim_batch(5) == [Slot(3, 1), Slot(4, 1), Slot(5, 1)]
+
+
 def test_worker_waits_for_fresh_weights_and_is_released_by_publish() -> None:
     gate: StalenessGate[str] = StalenessGate(groups_per_step=1, max_staleness=1)
     assert gate.wait_for_weights(1) == 0  # step 1 may use version 0 (staleness 1)
