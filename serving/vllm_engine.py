@@ -7,6 +7,8 @@ vLLM does the continuous batching, paged KV cache and CUDA graphs; this adapter 
   temperature, which is what `serving.sampling` reports and the trainer recomputes);
 - routed experts per position and MoE layer (`enable_return_routed_experts=True`, which needs
   the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported);
+- with `batch_invariant=True`, vLLM's own batch-invariant kernels (`VLLM_BATCH_INVARIANT=1`, set
+  before vLLM is imported; the torch backend's counterpart is kernels/batch_invariant.py);
 - `swap_weights`: pause generation (requests in flight finish first), apply the caller's
   verified commit to a host copy of the HF state dict, load it into every worker in place
   (`collective_rpc` into `FlywheelWorkerExtension`), resume.
@@ -112,8 +114,11 @@ class VllmEngine:
 
     @classmethod
     def load(cls, model_dir: Path, settings: EngineSettings, *, version_number: int = 0,
-             sha256: str | None = None, gpu_memory_utilization: float = 0.85) -> VllmEngine:
+             sha256: str | None = None, gpu_memory_utilization: float = 0.85,
+             batch_invariant: bool = False) -> VllmEngine:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # routed experts need it
+        if batch_invariant:  # read by vLLM at import and by its workers, which inherit it
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +13,9 @@ import numpy as np
 import pytest
 
 from app.settings import Settings
+from serving.config import EngineSettings
 from serving.engine import GenerationRequest
-from serving.vllm_engine import routes_array, token_logprobs
+from serving.vllm_engine import VllmEngine, routes_array, token_logprobs
 
 
 @dataclass
@@ -39,6 +42,18 @@ def test_routes_are_trimmed_to_the_positions_fed() -> None:
     assert routes_array(raw, 4).shape == (4, 4, 2)
     assert routes_array(raw, 4).dtype == np.int16
     assert routes_array(raw, 6) is None and routes_array(None, 3) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="vLLM is installed: load would start it")
+@pytest.mark.parametrize("on", [True, False])
+def test_batch_invariant_is_in_the_environment_before_vllm_is_imported(
+        on: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ImportError, match="vllm"):  # load got as far as importing vLLM
+        VllmEngine.load(tmp_path, EngineSettings(backend="vllm"), batch_invariant=on)
+    assert os.environ.get("VLLM_BATCH_INVARIANT") == ("1" if on else None)
 
 
 @pytest.mark.gpu
