@@ -16,9 +16,11 @@ state dicts and hooks are untouched; ``disable_batch_invariant`` restores everyt
 - MoE experts -> ``bi_experts_forward`` via ``ExpertsInterface``.
 Embedding lookups, RoPE (elementwise mul/cos/sin), residual adds and top-k are already exact.
 
-Devices: the kernels here are for CPU. On CUDA the switch would select Triton kernels, which are
-not written yet (``enable_batch_invariant`` raises there). The vLLM backend gets the same property
-from vLLM itself: start it with ``VLLM_BATCH_INVARIANT=1``.
+Devices: on CPU the ops are ATen kernels used so that their results cannot depend on the batch
+(see ``kernels.bi_ops``); CUDA tensors go to the Triton kernels of ``kernels.triton_ops`` (GEMMs,
+softmax/log-softmax, row sums, RMSNorm), picked per tensor by the same functions, so one switch
+serves both. Other devices are refused. The vLLM backend gets the same property from vLLM
+itself: ``serving.vllm_engine`` starts it with ``VLLM_BATCH_INVARIANT=1``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.bi_attention import hf_attention_forward, hf_mask
-from kernels.bi_ops import ROW_TILE, bi_linear, bi_rms_norm, bi_silu, bi_softmax
+from kernels.bi_ops import (
+    ROW_TILE,
+    BatchInvariantUnsupported,
+    bi_bmm,
+    bi_linear,
+    bi_rms_norm,
+    bi_row_sum,
+    bi_silu,
+    bi_softmax,
+    triton_kernels,
+)
 from kernels.moe_replay import is_topk_router
 
 IMPLEMENTATION = "flywheel_batch_invariant"  # name registered in transformers' interfaces
@@ -61,8 +73,10 @@ def _register() -> None:
     ExpertsInterface.register(IMPLEMENTATION, bi_experts_forward)
 
 
-class BatchInvariantUnsupported(NotImplementedError):
-    """A model layout or device the batch-invariant mode refuses rather than get wrong."""
+__all__ = [
+    "BatchInvariantUnsupported", "batch_invariant", "bi_experts_forward",
+    "disable_batch_invariant", "enable_batch_invariant", "is_batch_invariant",
+]
 
 
 def bi_experts_forward(
@@ -112,11 +126,17 @@ def bi_experts_forward(
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows offs[e-1]:offs[e] of x (M, In) times weight[e] (In, Out); rows past offs[-1] unused.
+    """Rows offs[e-1]:offs[e] of x (M, In) times weight[e] (In, Out); M = offs[-1].
 
-    On CPU, ATen runs one GEMM per group, bit for bit ``F.linear`` on that slice.
+    On CPU, ATen runs one GEMM per group, bit for bit ``F.linear`` on that slice; on CUDA, one
+    fixed-tile Triton GEMM per non-empty group.
     """
-    return F.grouped_mm(x, weight, offs=offs)
+    if not x.is_cuda:
+        return F.grouped_mm(x, weight, offs=offs)
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([bi_bmm(x[None, a:b], weight[e : e + 1])[0]
+                      for e, (a, b) in enumerate(zip(starts, ends, strict=True)) if b > a])
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +158,7 @@ def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     probs = bi_softmax(logits, dim=-1)
     top, indices = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
     if getattr(self, "norm_topk_prob", True):  # Mixtral has no flag and always normalises
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / bi_row_sum(top)
     return logits, top.to(logits.dtype), indices
 
 
@@ -160,11 +180,11 @@ def enable_batch_invariant(model: nn.Module) -> nn.Module:
     """Make ``model``'s forward batch-invariant in place (idempotent); returns the model."""
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
-    if any(p.is_cuda for p in model.parameters()):
-        raise BatchInvariantUnsupported(
-            "batch-invariant Triton kernels for CUDA are not written yet; "
-            "serve with vLLM and VLLM_BATCH_INVARIANT=1"
-        )
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu", "cuda"}:
+        raise BatchInvariantUnsupported(f"no batch-invariant kernels for {sorted(devices)}")
+    if "cuda" in devices:
+        triton_kernels()  # raises BatchInvariantUnsupported without triton
     _register()
     config: Any = model.config
     state = _SwitchState(config._attn_implementation, config._experts_implementation)

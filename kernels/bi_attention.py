@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.bi_ops import bi_bmm, bi_row_sum
+
 KEY_BLOCK = 64  # keys reduced per GEMM; accumulation across blocks is sequential
 QUERY_TILE = 16  # query rows per GEMM are padded to a multiple of this
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32 result
@@ -115,7 +117,7 @@ def bi_attention(
         query.view(batch, kv_heads, rows // q_len, q_len, dim).permute(0, 1, 4, 2, 3))
     keys, values = _compact(key, plan), _compact(value, plan)  # (blocks, G, KEY_BLOCK, D)
     scores = [  # (G, rows, KEY_BLOCK) each, row-major (row reductions see one layout)
-        (torch.bmm(k, q_t)[..., :rows].transpose(1, 2).contiguous() * scaling)
+        (bi_bmm(k, q_t)[..., :rows].transpose(1, 2).contiguous() * scaling)
         .masked_fill_(drop, -inf)
         for k, drop in zip(keys, plan.dropped, strict=True)  # K @ Q^T: K as stored
     ]
@@ -129,8 +131,8 @@ def bi_attention(
         # exp of inputs below EXP_FLOOR (subnormal results, -inf) takes ATen's slow path; the
         # floor changes nothing that survives: masked keys are zeroed, the rest are < 1e-37.
         p = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill_(drop, 0.0)
-        part = torch.bmm(F.pad(p, (0, 0, 0, plan.q_pad)), v)[:, :rows]
-        total = p.sum(-1, keepdim=True) if total is None else total + p.sum(-1, keepdim=True)
+        part = bi_bmm(F.pad(p, (0, 0, 0, plan.q_pad)), v)[:, :rows]
+        total = bi_row_sum(p) if total is None else total + bi_row_sum(p)
         out = part if out is None else out + part
     assert total is not None and out is not None  # at least one key block
     out = out / total.clamp_(min=1.0)  # total >= 1 (the max key adds exp(0)), or 0: no key

@@ -15,9 +15,14 @@ The cures, each with a plain reference of the same signature (``*_reference``) f
   contiguous rows: ATen splits such reductions across rows, never inside a row shorter than its
   grain size (32768), so each row is reduced by the same code whatever the number of rows.
 tests/kernels/test_batch_invariant.py holds each claim (parity and bitwise invariance).
+
+CUDA tensors go to the Triton kernels of ``kernels.triton_ops`` instead (fixed tiles, no split-K,
+one program per row); triton is imported on the first CUDA call only, so CPU runs never load it.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +30,49 @@ import torch.nn.functional as F
 ROW_TILE = 16  # GEMM calls always see M % ROW_TILE == 0 (full micro-tiles; see module doc)
 
 
+class BatchInvariantUnsupported(NotImplementedError):
+    """A model layout or device the batch-invariant mode refuses rather than get wrong."""
+
+
+def triton_kernels() -> ModuleType:
+    """``kernels.triton_ops`` (imports triton): the batch-invariant kernels for CUDA tensors."""
+    try:
+        from kernels import triton_ops
+    except ImportError as exc:
+        raise BatchInvariantUnsupported(
+            "batch-invariant ops on CUDA need triton (pip install triton)") from exc
+    return triton_ops
+
+
 def bi_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear`` whose rows are bitwise independent of how many rows are computed together."""
-    rows = x.reshape(-1, x.shape[-1])  # (M, K)
-    m = rows.shape[0]
-    padded = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
-    out = F.linear(rows, weight)[:m]  # (M, N)
+    if x.is_cuda:
+        out = triton_kernels().linear(x, weight)
+    else:
+        rows = x.reshape(-1, x.shape[-1])  # (M, K)
+        m = rows.shape[0]
+        padded = max(ROW_TILE, -(-m // ROW_TILE) * ROW_TILE)
+        if padded != m:
+            rows = F.pad(rows, (0, 0, 0, padded - m))
+        out = F.linear(rows, weight)[:m].reshape(*x.shape[:-1], weight.shape[0])  # (..., N)
     if bias is not None:
         out = out + bias  # a separate elementwise add: exact and position-independent
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out
+
+
+def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B, M, K) @ (B, K, N). On CPU ``torch.bmm``: callers keep M a multiple of ROW_TILE and
+    K fixed; on CUDA the fixed-tile Triton GEMM, invariant for any M."""
+    return triton_kernels().bmm(a, b) if a.is_cuda else torch.bmm(a, b)
+
+
+def bi_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, keepdim (CPU: ATen's row kernel on contiguous rows)."""
+    if x.is_cuda:
+        return triton_kernels().row_sum(x).to(x.dtype)
+    return x.sum(-1, keepdim=True)
 
 
 def linear_reference(
@@ -59,6 +94,8 @@ def silu_reference(x: torch.Tensor) -> torch.Tensor:
 
 def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen/Llama RMSNorm with a per-row mean and ``1/sqrt`` instead of the vectorised rsqrt."""
+    if x.is_cuda:
+        return weight * triton_kernels().rms_norm(x, eps)
     xf = x.float().contiguous()
     variance = xf.pow(2).mean(-1, keepdim=True)  # (..., 1), one row kernel per row
     normed = xf / torch.sqrt(variance + eps)
@@ -82,14 +119,14 @@ def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
 def bi_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax in float32 over contiguous rows (ATen's per-row kernel: row-count invariant)."""
     rows, moved = _as_rows(x, dim)
-    out = torch.softmax(rows, dim=-1)
+    out = triton_kernels().softmax(rows) if x.is_cuda else torch.softmax(rows, dim=-1)
     return out.movedim(-1, dim) if moved else out
 
 
 def bi_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Log-softmax in float32 over contiguous rows (ATen's per-row kernel: row-count invariant)."""
     rows, moved = _as_rows(x, dim)
-    out = torch.log_softmax(rows, dim=-1)
+    out = triton_kernels().log_softmax(rows) if x.is_cuda else torch.log_softmax(rows, dim=-1)
     return out.movedim(-1, dim) if moved else out
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.bi_ops import bi_softmax
+from kernels.bi_ops import bi_row_sum, bi_softmax
 
 NO_ROUTE = -1  # in a replay tensor: no record for this token/layer, the router chooses itself
 
@@ -148,7 +148,7 @@ def replay_gate_weights(
     probs = bi_softmax(logits, dim=-1)  # (N, E)
     weights = probs.gather(-1, indices)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / bi_row_sum(weights)
     return weights.to(logits.dtype)
 
 
