@@ -37,7 +37,6 @@ from torch import nn
 
 from kernels.bi_attention import hf_attention_forward, hf_mask
 from kernels.bi_ops import (
-    ROW_TILE,
     BatchInvariantUnsupported,
     bi_bmm,
     bi_linear,
@@ -49,6 +48,7 @@ from kernels.bi_ops import (
 )
 from kernels.moe_replay import is_topk_router
 
+EXPERT_COLS = 4  # expert segments hold a multiple of this many tokens (see bi_experts_forward)
 IMPLEMENTATION = "flywheel_batch_invariant"  # name registered in transformers' interfaces
 _STATE_ATTR = "_flywheel_batch_invariant"
 
@@ -86,8 +86,10 @@ def bi_experts_forward(
     """transformers' experts with fixed-shape GEMMs and a fixed summation order.
 
     hidden (N, H), top_k_index (N, K), top_k_weights (N, K) -> (N, H). Each expert's tokens are
-    gathered into a segment padded to ROW_TILE rows (see ``bi_linear``), and one grouped GEMM
-    runs every segment through its expert (per segment the same GEMM as ``F.linear``); a token's
+    gathered into a segment padded to a multiple of EXPERT_COLS, and one grouped GEMM computes
+    W_e @ X_e^T per segment: the tokens are GEMM *columns*, and a column's bits depend neither
+    on the column count (from 2 up) nor on its place, while the rows (the expert's output
+    features) are fixed by the weights; so segments need 4 tokens, not ROW_TILE. A token's
     output is the sum of its experts' weighted outputs in ascending expert id, as in the eager
     loop. Expert ids >= num_experts (expert-parallel sentinels) contribute zero.
     """
@@ -99,7 +101,7 @@ def bi_experts_forward(
     flat = experts.reshape(-1)  # pair p = token * K + j
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat, minlength=num + 1)  # ids >= num: expert-parallel sentinels
-    pad = (-counts).remainder_(ROW_TILE)  # zero rows closing each expert's segment
+    pad = (-counts).remainder_(EXPERT_COLS)  # zero tokens closing each expert's segment
     ends = torch.cumsum(counts + pad, 0)
     limits = ends[num - 1 :].tolist()
     rows, total = limits[0], limits[-1]  # rows of real experts; with the sentinels' rows
@@ -110,8 +112,8 @@ def bi_experts_forward(
     buf = hidden_states.new_zeros(total, hidden_states.shape[1]).index_copy_(
         0, dest, hidden_states[order // k])[:rows]  # (rows, H): zero-padded expert segments
     offs = ends[:num].to(torch.int32)
-    gate, up = _grouped_mm(buf, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
-    down = _grouped_mm(bi_silu(gate) * up, self.down_proj.transpose(-2, -1), offs)  # (rows, H)
+    gate, up = _grouped_mm(self.gate_up_proj, buf.t(), offs).chunk(2, dim=0)  # (I, rows) each
+    down = _grouped_mm(self.down_proj, bi_silu(gate) * up, offs).t()  # (rows, H)
     pair_row = torch.empty_like(dest).index_copy_(0, order, dest)  # pair p -> its row
     weights = top_k_weights.gather(-1, slot)  # (N, K) in ascending expert order
     if total > rows:  # sentinels: read row 0 with weight 0
@@ -125,18 +127,18 @@ def bi_experts_forward(
     return out
 
 
-def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows offs[e-1]:offs[e] of x (M, In) times weight[e] (In, Out); M = offs[-1].
+def _grouped_mm(weight: torch.Tensor, x_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """weight[e] (Out, In) times columns offs[e-1]:offs[e] of x_t (In, cols); cols = offs[-1].
 
-    On CPU, ATen runs one GEMM per group, bit for bit ``F.linear`` on that slice; on CUDA, one
-    fixed-tile Triton GEMM per non-empty group.
+    On CPU, ATen runs one GEMM per group (``torch.mm`` on that slice); on CUDA, one fixed-tile
+    Triton GEMM per non-empty group. -> (Out, cols)
     """
-    if not x.is_cuda:
-        return F.grouped_mm(x, weight, offs=offs)
+    if not x_t.is_cuda:
+        return F.grouped_mm(weight, x_t, offs=offs)
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
-    return torch.cat([bi_bmm(x[None, a:b], weight[e : e + 1])[0]
-                      for e, (a, b) in enumerate(zip(starts, ends, strict=True)) if b > a])
+    return torch.cat([bi_bmm(weight[e : e + 1], x_t[None, :, a:b])[0]
+                      for e, (a, b) in enumerate(zip(starts, ends, strict=True)) if b > a], 1)
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

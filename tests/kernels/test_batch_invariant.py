@@ -156,6 +156,11 @@ def test_experts_match_eager_loop() -> None:
     model.config._experts_implementation = "eager"
     torch.testing.assert_close(bi_experts_forward(experts, hidden, idx, weights),
                                experts(hidden, idx, weights))
+    sentinel = idx.clone()
+    sentinel[::3, 1] = 8  # expert parallelism marks experts held elsewhere with num_experts
+    torch.testing.assert_close(bi_experts_forward(experts, hidden, sentinel, weights),
+                               experts(hidden, idx, weights.masked_fill(sentinel == 8, 0.0)))
+    assert not bi_experts_forward(experts, hidden[:2], torch.full((2, 2), 8), weights[:2]).any()
 
 
 # ---- bitwise invariance ---------------------------------------------------------------------
