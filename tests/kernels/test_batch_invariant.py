@@ -187,6 +187,19 @@ def test_elementwise_and_row_ops_are_position_independent() -> None:
     assert torch.equal(bi_log_softmax(logits[3:4]), bi_log_softmax(logits)[3:4])
 
 
+def test_experts_token_is_bitwise_independent_of_the_other_tokens() -> None:
+    experts = tiny_model().model.layers[0].mlp.experts
+    torch.manual_seed(2)
+    hidden, weights = torch.randn(40, 128), torch.rand(40, 2)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    full = bi_experts_forward(experts, hidden, idx, weights)
+    for i in (0, 7, 39):
+        assert torch.equal(bi_experts_forward(experts, hidden[i : i + 1], idx[i : i + 1],
+                                              weights[i : i + 1]), full[i : i + 1]), i
+    assert torch.equal(bi_experts_forward(experts, hidden[5:14], idx[5:14], weights[5:14]),
+                       full[5:14])
+
+
 def test_attention_prefill_row_equals_decode_step_under_any_padding() -> None:
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 70, 32), torch.randn(1, 2, 70, 32), torch.randn(1, 2, 70, 32)
