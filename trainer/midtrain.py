@@ -10,13 +10,12 @@ parameter values right.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
@@ -55,6 +54,15 @@ def transcript(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def lr_factor(step: int, steps: int, *, warmup: int = 10, floor: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay to `floor`: a high peak rate without early blow-ups,
+    and quiet last steps that do not undo the early ones."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 @dataclass
 class MidTrainResult:
     steps: int
@@ -66,7 +74,6 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
     """`steps` AdamW steps of masked next-token loss over shuffled demonstration transcripts."""
     corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
     rng = random.Random(seed)
-    policy.set_lr(lr)
     loss_value = float("nan")
     for step in range(steps):
         rows = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
@@ -74,8 +81,7 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
         logp = policy.token_logprobs(batch)  # (B, T)
         loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
         loss.backward()
-        # cosine decay keeps the last steps from undoing the early ones
-        policy.set_lr(lr * 0.5 * (1 + torch.cos(torch.tensor(step / steps * 3.14159)).item()))
+        policy.set_lr(lr * lr_factor(step, steps))
         policy.optimizer_step()
         loss_value = float(loss.detach())
     policy.version = 0  # mid-training produces the start policy: version 0 of the RL run

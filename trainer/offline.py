@@ -75,7 +75,7 @@ class OfflineTrainer:
                                        behavior_logp=behavior_logp)
         loss.backward()
         mismatch = ((logp.detach() - behavior_logp).abs() * batch.loss_mask).max()
-        return metrics | loss_metrics | {"loss": float(loss),
+        return metrics | loss_metrics | {"loss": float(loss.detach()),
                                          "max_abs_logprob_diff": float(mismatch)}
 
     def step(self, groups: list[RolloutGroup]) -> dict[str, float]:
