@@ -23,7 +23,7 @@ from app.settings import Settings  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=120.0, help="GRPO wall time per mode")
-    parser.add_argument("--midtrain-steps", type=int, default=60)
+    parser.add_argument("--midtrain-steps", type=int, help="default: bootstrap.midtrain_steps")
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--max-staleness", type=int, default=2)
     args = parser.parse_args(argv)
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     source = build_task_source(cfg.tasks)
     train, held_out = source.split("train"), source.split("held_out")
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
-    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=args.midtrain_steps,
+    steps = cfg.midtrain_steps if args.midtrain_steps is None else args.midtrain_steps
+    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=steps,
              batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr, seed=cfg.seed)
     start_state = copy.deepcopy(policy.state_dict())
     results = {}

@@ -20,17 +20,17 @@ class BootstrapSettings(BaseModel):
     tasks: TaskSourceConfig = Field(default_factory=BuiltinTasksConfig)
     seed: int = 0
     # mid-training
-    midtrain_steps: int = Field(default=150, ge=0)
+    midtrain_steps: int = Field(default=300, ge=0)
     midtrain_batch: int = Field(default=16, ge=1)
-    midtrain_lr: float = Field(default=3e-3, gt=0)
+    midtrain_lr: float = Field(default=1e-2, gt=0)  # peak; warm-up, cosine
     # GRPO
     mode: Literal["async", "sync"] = "async"
     group_size: int = Field(default=8, ge=2, le=128)
     groups_per_step: int = Field(default=4, ge=1)
     max_staleness: int = Field(default=1, ge=0)
-    lr: float = Field(default=1e-3, gt=0)
+    lr: float = Field(default=3e-4, gt=0)  # 1e-3 collapsed the mid-trained policy
     temperature: float = Field(default=1.0, gt=0, le=2.0)
-    max_tokens: int = Field(default=40, ge=4)
+    max_tokens: int = Field(default=64, ge=4)  # per turn; the longest edit is ~50
     max_turns: int = Field(default=3, ge=1)
     context_budget: int = Field(default=1024, ge=64)
     clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
