@@ -1,21 +1,29 @@
 """The Celery app: release and sandbox jobs run as Celery tasks (app/tasks.py).
 
 Embedded profile: a `filesystem://` broker and a `file://` result backend in folders under
-the data dir, so a worker needs no server. Production: `FLYWHEEL_CELERY_BROKER_URL`
-(redis://…), with results on the same Redis. Beat runs `build_release` every
-`release.interval_s`.
+the data dir, so a worker needs no server, and the API process runs that worker itself
+(`EmbeddedWorker`: solo pool and beat on a thread, started and stopped with the app), so
+`flywheel up` runs what `POST /admin/releases` and beat queue. Production:
+`FLYWHEEL_CELERY_BROKER_URL` (redis://…), with results on the same Redis, and workers are
+separate processes. Beat runs `build_release` every `release.interval_s`.
 
     celery -A app.celery_app:celery_from_env worker --beat     # or make_celery(settings)
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
 
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 RELEASE_TASK = "flywheel.build_release"
 ROLLBACK_TASK = "flywheel.rollback_release"
@@ -41,7 +49,8 @@ def make_celery(settings: Settings) -> Celery:
     broker = settings.resolved_celery_broker_url
     app = Celery("flywheel", broker=broker)
     if broker.startswith("filesystem://"):
-        app.conf.update(_filesystem_folders(settings.data_dir))
+        app.conf.update(_filesystem_folders(settings.data_dir),
+                        broker_transport="app.celery_fs:AtomicFilesystemTransport")
     else:
         app.conf.result_backend = broker if broker.startswith(("redis://", "rediss://")) \
             else f"db+{settings.resolved_database_url}"
@@ -62,3 +71,54 @@ def make_celery(settings: Settings) -> Celery:
 def celery_from_env() -> Celery:
     """Entry point for the `celery` CLI: settings from FLYWHEEL_* variables."""
     return make_celery(Settings())
+
+
+class EmbeddedWorker:
+    """A Celery worker (solo pool, one task at a time) and beat, on threads of this process:
+    the embedded profile's release worker. `stop` is a warm shutdown (the task in progress
+    finishes first). Beat runs as a thread, not Celery's default forked process."""
+
+    def __init__(self, app: Celery, data_dir: Path) -> None:
+        from celery.beat import EmbeddedService
+
+        self.worker = app.WorkController(
+            pool="solo", concurrency=1, loglevel="WARNING",
+            hostname=f"flywheel-embedded-{os.getpid()}@{socket.gethostname()}",
+            without_heartbeat=True, without_mingle=True, without_gossip=True)
+        self.beat = EmbeddedService(
+            app, thread=True,
+            schedule_filename=str((data_dir / "celery" / "beat-schedule").resolve()))
+        self.thread = threading.Thread(target=self._run, name="celery-worker", daemon=True)
+
+    def _run(self) -> None:
+        # The solo pool traces tasks with `current_app`: make it this app, in this thread and
+        # as the process default (the API process holds one Celery app).
+        self.worker.app.set_current()
+        self.worker.app.set_default()
+        try:
+            self.worker.start()
+        except Exception:  # the thread's only report: the API keeps serving without it
+            log.exception("embedded Celery worker stopped")
+
+    def start(self) -> EmbeddedWorker:
+        self.thread.start()
+        self.beat.start()
+        return self
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        from celery.worker import state
+
+        self.beat.stop()
+        state.should_stop = 0  # what a worker's SIGTERM handler sets: finish, then exit
+        self.thread.join(timeout=timeout_s)
+        state.should_stop = None  # a later embedded worker in this process must not stop
+        if self.thread.is_alive():
+            log.warning("embedded Celery worker still busy after %.0f s", timeout_s)
+
+
+def start_release_worker(settings: Settings, app: Celery) -> EmbeddedWorker | None:
+    """With the embedded broker, run the release tasks and beat in this process; with a
+    Redis broker, `celery worker --beat` processes do (None)."""
+    if not settings.resolved_celery_broker_url.startswith("filesystem://"):
+        return None
+    return EmbeddedWorker(app, settings.data_dir).start()

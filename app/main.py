@@ -90,9 +90,16 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
         app.state.services = build_services(settings) if owned else services
         if owned and settings.release.follow:
             start_release_follower(app.state.services)
+        worker = None
+        if owned:  # the embedded profile runs its own release worker (app/celery_app.py)
+            from app.celery_app import start_release_worker
+
+            worker = start_release_worker(settings, app.state.services.release_tasks())
         try:
             yield
         finally:
+            if worker is not None:
+                worker.stop()
             if owned:
                 close_services(app.state.services)
 

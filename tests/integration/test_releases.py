@@ -1,5 +1,5 @@
-"""Releases end to end under load: the real broker, SQLite, a Celery worker on the embedded
-filesystem broker, the tiny model served by the stack while 16 clients keep calling it.
+"""Releases end to end under load: the real broker, SQLite, the app's embedded Celery worker
+on the filesystem broker, the tiny model served by the stack while 16 clients keep calling it.
 
 Five releases through `POST /admin/releases`, then a rollback: zero failed requests, every
 response names a version the replica had published, and after each release the replica's
@@ -25,7 +25,7 @@ from kernels.delta import encode_delta
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
-from tests.trainer.test_release import make_checkpoint
+from tests.app.test_release_pipeline import make_checkpoint
 from trainer.release import load_model
 
 pytestmark = pytest.mark.integration
@@ -75,10 +75,6 @@ def wait_for(predicate, what: str, timeout_s: float = 60.0):  # type: ignore[no-
 
 def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: Path,
                                                  model_dir: Path) -> None:
-    from celery.contrib.testing.worker import start_worker
-
-    from app.celery_app import make_celery
-
     settings = settings.model_copy(update={"release": settings.release.model_copy(update={
         "snapshot_every": 3, "eval": settings.release.eval.model_copy(update={
             "sequences": 2, "seq_len": 64})})})
@@ -96,23 +92,21 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
         published = {ModelVersion(base["version"], base["sha256"]).fingerprint}
         load = Load(stack.base_url)
         load.thread.start()
-        celery = make_celery(stack.settings)
         weights = load_model(model_dir).state_dict()
         shas = {}
-        with start_worker(celery, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-            for i in range(5):
-                ckpt = tmp_path / f"ckpt{i}.safetensors"
-                weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
-                r = http.post("/admin/releases", json={"candidate": str(ckpt),
-                                                       "reason": f"test {i}"})
-                assert r.status_code == 202, r.text
-                version = r.json()["version"]
-                shas[version] = state_dict_sha256(weights)
-                status = swapped_to(version)
-                assert status["last_swap"]["live_sha256"] == shas[version]
-                published.add(ModelVersion(version, shas[version]).fingerprint)
-                row = http.get(f"/admin/releases/{version}").json()
-                assert (row["status"], row["sha256"]) == ("published", shas[version])
+        for i in range(5):  # built by the Celery worker the app runs in the embedded profile
+            ckpt = tmp_path / f"ckpt{i}.safetensors"
+            weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
+            r = http.post("/admin/releases", json={"candidate": str(ckpt),
+                                                   "reason": f"test {i}"})
+            assert r.status_code == 202, r.text
+            version = r.json()["version"]
+            shas[version] = state_dict_sha256(weights)
+            status = swapped_to(version)
+            assert status["last_swap"]["live_sha256"] == shas[version]
+            published.add(ModelVersion(version, shas[version]).fingerprint)
+            row = http.get(f"/admin/releases/{version}").json()
+            assert (row["status"], row["sha256"]) == ("published", shas[version])
         assert [r["kind"] for r in http.get("/admin/releases").json()] == [
             "delta", "delta", "snapshot", "delta", "delta", "snapshot"]
 
