@@ -21,7 +21,7 @@ from kombu.utils.json import dumps
 
 
 class AtomicChannel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         # A leading dot: kombu's reader takes only names whose text after the first dot is
         # "<queue>.msg", which a hidden name's text never is.
