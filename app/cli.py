@@ -123,7 +123,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:
         init_model(settings.model, model_dir)
-    summary = run_bootstrap(cfg, model_dir, run_dir, progress=not args.no_progress)
+    summary = run_bootstrap(cfg, model_dir, run_dir, progress=not args.no_progress,
+                            batch_invariant=settings.batch_invariant)
     print(f"run dir: {run_dir}", file=sys.stderr)
     print(json.dumps(summary), flush=True)
     return 0

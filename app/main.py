@@ -44,7 +44,7 @@ def build_services(settings: Settings) -> Services:
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:  # the default model is built on first use
         init_model(settings.model, model_dir)
-    engine = build_engine(settings.engine, model_dir)
+    engine = build_engine(settings.engine, model_dir, batch_invariant=settings.batch_invariant)
     with Session(db) as session:
         if session.get(ServedVersion, engine.version.number) is None:
             session.add(ServedVersion(number=engine.version.number, sha256=engine.version.sha256))

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     topics: TopicSettings = TopicSettings()
     kafka: KafkaClientSettings = KafkaClientSettings()
     engine: EngineSettings = EngineSettings()
+    # One switch for numerics (kernels/batch_invariant.py): the serving engine and every
+    # trainer run the batch-invariant ops, so their logprobs agree bit for bit (vLLM: its own
+    # VLLM_BATCH_INVARIANT=1 mode). Costs ~1.4x decode time on CPU (bench/numerics.py).
+    batch_invariant: bool = False
     model: TinyMoeSettings = TinyMoeSettings()
     bootstrap: BootstrapSettings = BootstrapSettings()
     release: ReleaseSettings = ReleaseSettings()

@@ -126,14 +126,16 @@ async def collect(deltas: AsyncIterator[GenerationDelta]) -> GenerationResult:
     raise EngineError("generation stream ended without a result")
 
 
-def build_engine(settings: EngineSettings, model_dir: Path, *,
-                 version_number: int = 0) -> Engine:
+def build_engine(settings: EngineSettings, model_dir: Path, *, version_number: int = 0,
+                 batch_invariant: bool = False) -> Engine:
     """The backend `settings.backend` names; the other backend is never imported."""
     if settings.backend == "vllm":
         from serving.vllm_engine import VllmEngine
 
-        return VllmEngine.load(model_dir, settings, version_number=version_number)
+        return VllmEngine.load(model_dir, settings, version_number=version_number,
+                               batch_invariant=batch_invariant)
     from serving.torch_engine import TorchEngine
 
     return TorchEngine.load(model_dir, version_number=version_number, seed=settings.seed,
-                            threads=settings.threads, max_batch=settings.max_batch)
+                            threads=settings.threads, max_batch=settings.max_batch,
+                            batch_invariant=batch_invariant)

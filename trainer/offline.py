@@ -297,8 +297,10 @@ def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
 
 
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
-                  progress: bool = True) -> dict[str, Any]:
-    """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir."""
+                  progress: bool = True, batch_invariant: bool = False) -> dict[str, Any]:
+    """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
+    `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
+    engines are copies of the policy's model, so they inherit the switch)."""
     from simulate.tasks import build_task_source
     from trainer.midtrain import midtrain
 
@@ -310,6 +312,10 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     train, held_out = source.split("train"), source.split("held_out")
     random.Random(cfg.seed).shuffle(held_out)
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
+    if batch_invariant:
+        from kernels.batch_invariant import enable_batch_invariant
+
+        enable_batch_invariant(policy.model)
     chat = ChatTokens(policy.tokenizer)
     mid = midtrain(policy, chat, train, steps=cfg.midtrain_steps, batch_size=cfg.midtrain_batch,
                    lr=cfg.midtrain_lr, seed=cfg.seed)

@@ -160,8 +160,10 @@ class OnlineTrainer:
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
-    def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path) -> OnlineTrainer:
-        """Build from the base model, then load the latest checkpoint under `root` if any."""
+    def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path, *,
+                batch_invariant: bool = False) -> OnlineTrainer:
+        """Build from the base model, then load the latest checkpoint under `root` if any;
+        `batch_invariant`: the same kernels as a serving engine in that mode."""
         import copy
 
         from transformers import AutoModelForCausalLM
@@ -170,6 +172,10 @@ class OnlineTrainer:
         hf_logging.disable_progress_bar()
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if batch_invariant:
+            from kernels.batch_invariant import enable_batch_invariant
+
+            enable_batch_invariant(model)
         reference = copy.deepcopy(model)
         pad_id = int(model.config.pad_token_id)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)

@@ -264,7 +264,8 @@ def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
     if settings.kafka_bootstrap is None:
         raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
     root = cfg.resolved_checkpoint_dir(settings.data_dir)
-    trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root)
+    trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root,
+                                   batch_invariant=settings.batch_invariant)
     kafka = settings.kafka_config(settings.kafka_bootstrap)
     ensure_topics(kafka)
     dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
