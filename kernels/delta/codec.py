@@ -52,6 +52,7 @@ from kernels.delta.streams import (
 
 DENSE_ABOVE = 16  # a decoded tensor with more than 1/16 changed is kept whole
 NIBBLE_ABOVE = 1 / 16  # changed share from which the nibble codec is tried
+SPARSE_OVER_NIBBLE = 0.9  # ...and kept unless sparse is this much smaller (nibble decodes faster)
 
 
 class CodecOptions(BaseModel):
@@ -133,8 +134,9 @@ def encode_tensor(
     if changed.size >= NIBBLE_ABOVE * diff.size:
         best = Encoded("nibble", encode_nibble(diff, level, threads))
         if changed.size < 4 * NIBBLE_ABOVE * diff.size:  # sparse can still be smaller here
-            best = min(encode_sparse(base, diff, changed, dtype, options), best,
-                       key=lambda e: e.nbytes)
+            sparse = encode_sparse(base, diff, changed, dtype, options)
+            if sparse.nbytes < SPARSE_OVER_NIBBLE * best.nbytes:
+                best = sparse
     else:
         best = encode_sparse(base, diff, changed, dtype, options)
     if changed.size > options.try_xor_above * diff.size:
