@@ -61,8 +61,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_train_online(args: argparse.Namespace) -> int:
+    from app.releases import PipelineReleaseSink
     from trainer.online import run_online
-    from trainer.online_control import PipelineReleaseSink, SqlTrainerControl, open_control_db
+    from trainer.online_control import SqlTrainerControl, open_control_db
 
     settings = _settings(args)
     if settings.kafka_bootstrap is None:

@@ -55,11 +55,12 @@ def _version_number(fingerprint: str) -> int:
 
 def run_demo_loop(settings: Settings, *, loop_s: float = 360.0, releases: int = 4,
                   concurrency: int = 6, min_per_version: int = 200) -> int:
+    from app.releases import PipelineReleaseSink
     from ingest.join import run_join
     from simulate.users import UserPopulation, aligned_prefix_preference
     from trainer.init_model import init_model
     from trainer.online import run_online
-    from trainer.online_control import PipelineReleaseSink, SqlTrainerControl, open_control_db
+    from trainer.online_control import SqlTrainerControl, open_control_db
 
     settings = demo_settings(settings, loop_s=loop_s, releases=releases)
     if settings.model_dir is None:

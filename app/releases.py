@@ -220,3 +220,22 @@ def rollback_release(ctx: ReleaseContext, version: int, *, requested_by: str = "
         session.commit()
         session.refresh(parent)
         return parent
+
+
+class PipelineReleaseSink:
+    """The online trainer's `ReleaseSink`: hands a candidate to `build_release` (gate, delta,
+    record, publish), in this process, with the step range and ids the weights were trained on."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def release(self, candidate: Any, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> Any:
+        from app.tasks import release_context
+        from trainer.online import ReleaseOutcome
+
+        with release_context(self.settings) as ctx:
+            row = build_release(ctx, candidate=candidate, requested_by=requested_by,
+                                reason=reason, provenance=provenance)
+        return ReleaseOutcome(version=row.version, published=row.status == "published",
+                              sha256=row.sha256, reason=row.reason)

@@ -118,23 +118,3 @@ class SqlTrainerControl:
             row.sqlmodel_update({**fields, "updated_at": utcnow()})
             session.add(row)
             session.commit()
-
-
-class PipelineReleaseSink:
-    """Hands a candidate to trainer/release.py's `build_release` (gate, delta, publish), in
-    this process, with the step range and ids the weights were trained on."""
-
-    def __init__(self, settings: Any) -> None:
-        self.settings = settings
-
-    def release(self, candidate: Any, provenance: dict[str, Any], *, requested_by: str,
-                reason: str) -> Any:
-        from app.releases import build_release
-        from app.tasks import release_context
-        from trainer.online import ReleaseOutcome
-
-        with release_context(self.settings) as ctx:
-            row = build_release(ctx, candidate=candidate, requested_by=requested_by,
-                                reason=reason, provenance=provenance)
-        return ReleaseOutcome(version=row.version, published=row.status == "published",
-                              sha256=row.sha256, reason=row.reason)
