@@ -9,7 +9,6 @@ the async/sync samples/s ratio, and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import tempfile
@@ -31,32 +30,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from simulate.harness import ChatTokens
     from simulate.rollouts import SandboxCache
-    from simulate.tasks import build_task_source
     from trainer.init_model import init_model
-    from trainer.midtrain import midtrain
+    from trainer.midtrain import midtrained_start
     from trainer.offline import run_grpo
-    from trainer.policy import Policy
 
     cfg = settings.bootstrap.model_copy(update={"time_budget_s": args.seconds,
                                                 "max_staleness": args.max_staleness})
     model_dir = args.model_dir or init_model(settings.model,
                                              Path(tempfile.mkdtemp()) / "base")
     torch.set_num_threads(cfg.torch_threads)
-    source = build_task_source(cfg.tasks)
-    train, held_out = source.split("train"), source.split("held_out")
-    policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
-    steps = cfg.midtrain_steps if args.midtrain_steps is None else args.midtrain_steps
-    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=steps,
-             batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr, seed=cfg.seed)
-    start_state = copy.deepcopy(policy.state_dict())
+    start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
     results = {}
     for mode in ("sync", "async"):
-        policy = Policy.load(model_dir, lr=cfg.lr)
-        policy.model.load_state_dict(start_state)
-        run = run_grpo(policy, cfg.model_copy(update={"mode": mode}), train, held_out,
-                       cache=SandboxCache(), progress=False)
+        run = run_grpo(start.policy(lr=cfg.lr), cfg.model_copy(update={"mode": mode}),
+                       start.train, start.held_out, cache=SandboxCache(), progress=False)
         results[mode] = run
         print(f"{mode:5s}: steps {run.steps:3d}  samples/s {run.samples_per_s:6.2f}  "
               f"trainer idle {run.trainer_idle:5.1%}  rollout idle {run.rollout_idle:5.1%}  "

@@ -21,7 +21,6 @@ optimizer step, per second of training-loop wall time.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import tempfile
@@ -183,39 +182,29 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from simulate.harness import ChatTokens
     from simulate.rollouts import SandboxCache
-    from simulate.tasks import build_task_source
     from trainer.init_model import init_model
-    from trainer.midtrain import midtrain
+    from trainer.midtrain import midtrained_start
     from trainer.offline import run_grpo
-    from trainer.policy import Policy
 
     workdir = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     model_dir = args.model_dir or init_model(settings.model, workdir / "base")
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
-    source = build_task_source(cfg.tasks)
-    train, held_out = source.split("train"), source.split("held_out")
-    policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
-    steps = cfg.midtrain_steps if args.midtrain_steps is None else args.midtrain_steps
-    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=steps,
-             batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr, seed=cfg.seed)
-    start_state = copy.deepcopy(policy.state_dict())
-    print(f"same start: {steps} mid-training steps on {len(train)} train tasks; group size "
+    start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
+    train = start.train
+    print(f"same start: {start.steps} mid-training steps on {len(train)} train tasks; group size "
           f"{cfg.group_size} x {cfg.groups_per_step} tasks per step; {args.seconds:.0f} s "
           f"per side; torch threads {threads}; trl {trl.__version__}", flush=True)
 
-    policy = Policy.load(model_dir, lr=cfg.lr)
-    policy.model.load_state_dict(start_state)
-    fly = run_grpo(policy, cfg, train, held_out, cache=SandboxCache(), progress=False)
+    fly = run_grpo(start.policy(lr=cfg.lr), cfg, train, start.held_out, cache=SandboxCache(),
+                   progress=False)
     fly_ends = curve_ends([h["reward"] for h in fly.history])
     print(f"flywheel ({cfg.mode}, multi-turn, <= {cfg.max_turns} turns): steps {fly.steps:3d}  "
           f"samples {fly.samples:5d}  samples/s {fly.samples_per_s:6.2f}  "
           f"reward {fly_ends[0]:.3f} -> {fly_ends[1]:.3f}", flush=True)
 
-    policy = Policy.load(model_dir, lr=cfg.lr)
-    policy.model.load_state_dict(start_state)
+    policy = start.policy(lr=cfg.lr)
     trl_run = run_trl(policy.model, policy.tokenizer, cfg, train, seconds=args.seconds,
                       threads=threads, workdir=workdir)
     trl_ends = curve_ends(trl_run.rewards)

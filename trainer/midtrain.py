@@ -16,12 +16,18 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
 from simulate.tasks import STUB_BODY, Task
 from simulate.tools import SOLUTION_FILE, ToolWorkspace
 from trainer.policy import Policy
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.bootstrap_config import BootstrapSettings
 
 
 def demonstration_call(task: Task) -> str:
@@ -86,3 +92,36 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
         loss_value = float(loss.detach())
     policy.version = 0  # mid-training produces the start policy: version 0 of the RL run
     return MidTrainResult(steps=steps, final_loss=loss_value)
+
+
+@dataclass
+class MidTrainedStart:
+    """One mid-trained set of weights that several runs start from (the benches compare
+    schedules or trainers from the very same start)."""
+
+    model_dir: Path
+    state: dict[str, torch.Tensor]
+    train: list[Task]
+    held_out: list[Task]
+    steps: int
+
+    def policy(self, *, lr: float) -> Policy:
+        """A fresh policy (its own optimizer) holding the mid-trained weights."""
+        policy = Policy.load(self.model_dir, lr=lr)
+        policy.model.load_state_dict(self.state)
+        return policy
+
+
+def midtrained_start(cfg: BootstrapSettings, model_dir: Path, *,
+                     steps: int | None = None) -> MidTrainedStart:
+    """Split `cfg.tasks`, mid-train the model in `model_dir` on the train split (`steps`,
+    default `cfg.midtrain_steps`) and keep a copy of the weights."""
+    from simulate.tasks import build_task_source
+
+    source = build_task_source(cfg.tasks)
+    train, held_out = source.split("train"), source.split("held_out")
+    steps = cfg.midtrain_steps if steps is None else steps
+    policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
+    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=steps,
+             batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr, seed=cfg.seed)
+    return MidTrainedStart(model_dir, policy.state_dict(), train, held_out, steps)
