@@ -78,11 +78,7 @@ class StalenessGate(Generic[G]):
         return self._version
 
     def claim(self) -> Slot:
-        with self._cond:
-            self._raise_if_closed()
-            index = self._next_slot
-            self._next_slot += 1
-            return Slot(index, index // self.groups_per_step)
+        return self.claim_batch(1)[0]
 
     def claim_batch(self, limit: int) -> list[Slot]:
         """Up to `limit` consecutive slots of one step, so that a worker can make them
