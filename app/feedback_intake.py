@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy import event as sa_event
 
 from app.db import FeedbackReceipt
@@ -31,6 +31,7 @@ from ingest.log import EventProducer, partition_for
 
 log = logging.getLogger(__name__)
 _ID_CHUNK = 5000  # ids per IN (...) query: under SQLite's and PostgreSQL's parameter limits
+_IDS = bindparam("ids", expanding=True)  # one cached statement for any number of ids
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -180,11 +181,11 @@ class FeedbackIntake:
         """Send every event keyed by its generation_id, flush, and fail if any was refused."""
         producer, topic = self.producer, self.topic
         partitions = producer.partitions(topic)
-        futures = []
+        records = []
         for e in events:
             key = e.generation_id.encode("utf-8")
-            futures.append(producer.send_raw(topic, key, encode(e),
-                                             partition=partition_for(key, partitions)))
+            records.append((partition_for(key, partitions), key, encode(e)))
+        futures = producer.send_many(topic, records)
         producer.flush(self.delivery_timeout_s)  # the group is the batch: no linger
         for future in futures:
             if not future.is_done or future.failed():
@@ -221,8 +222,8 @@ class ReceiptLedger:
         with self._transaction() as conn:
             for start in range(0, len(ids), _ID_CHUNK):
                 chunk = ids[start:start + _ID_CHUNK]
-                found.update(conn.execute(select(self._column)
-                                          .where(self._column.in_(chunk))).scalars())
+                found.update(conn.execute(select(self._column).where(
+                    self._column.in_(_IDS)), {"ids": chunk}).scalars())
         return found
 
     def record(self, events: list[FeedbackReceived]) -> None:

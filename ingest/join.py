@@ -277,13 +277,13 @@ class Join:
     def _produce(self, rows: list[tuple[str, bytes]]) -> None:
         producer, topic = self.producer, self.kafka.topics.experiences
         partitions = producer.partitions(topic)
-        futures, last = [], {}
+        records = []
         for experience_id, payload in rows:
             key = experience_id.encode()
-            partition = partition_for(key, partitions)
-            futures.append(future := producer.send_raw(topic, key, payload,
-                                                       partition=partition))
-            last[partition] = future
+            records.append((partition_for(key, partitions), key, payload))
+        futures = producer.send_many(topic, records)
+        last = {partition: future for (partition, _, _), future in zip(records, futures,
+                                                                       strict=True)}
         timeout_s = self.kafka.delivery_timeout_ms / 1000
         producer.flush(timeout_s)
         for future in futures:

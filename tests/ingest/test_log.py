@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import uuid
 
+from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
+
 from ingest.config import KafkaConfig
-from ingest.events import DeadLetter, FeedbackReceived
-from ingest.log import EventConsumer, EventProducer, read_all
+from ingest.events import DeadLetter, FeedbackReceived, encode
+from ingest.log import EventConsumer, EventProducer, partition_for, read_all, read_raw
 
 
 def feedback(i: int) -> FeedbackReceived:
@@ -50,3 +53,25 @@ def test_consumer_decodes_commits_and_dead_letters(kafka: KafkaConfig) -> None:
     assert [d.event.event_id for d in drain(again, 1)] == ["e9"]
     again.close()
     producer.close()
+
+
+def test_send_many_lands_each_record_on_its_partition_in_order(kafka: KafkaConfig) -> None:
+    topic = f"send-many-{uuid.uuid4().hex[:6]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    admin.create_topics([NewTopic(topic, 3, 1)])
+    admin.close()
+    producer = EventProducer(kafka)
+    assert producer.partitions(topic) == 3
+    events = [feedback(i) for i in range(300)]
+    records = [(partition_for(e.generation_id.encode(), 3), e.generation_id.encode(), encode(e))
+               for e in events]
+    futures = producer.send_many(topic, records)
+    producer.flush()
+    acks = [f.get(timeout=10) for f in futures]
+    assert [a.partition for a in acks] == [p for p, _, _ in records]
+    for partition in range(3):  # offsets follow the order of the call within a partition
+        offsets = [a.offset for a in acks if a.partition == partition]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    producer.close()
+    got = read_raw(kafka, topic)
+    assert sorted(value for _, value in got) == sorted(value for _, _, value in records)
