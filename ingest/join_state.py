@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, Text, event, select, update
+from sqlalchemy import Engine, Text, bindparam, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
@@ -26,6 +26,8 @@ from ingest.log import decode_all
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
 _CHUNK = 5000  # ids per IN (...): under SQLite's and PostgreSQL's parameter limits
 E = TypeVar("E", bound=BaseModel)
+IDS = bindparam("ids", expanding=True)  # `column.in_(IDS)`, executed with {"ids": [...]}:
+# one cached statement whatever the list's length (a literal list compiles anew each time)
 
 
 class JoinSession(SQLModel, table=True):
@@ -107,7 +109,7 @@ def existing_ids(conn: object, column: object, ids: Iterable[str]) -> set[str]:
     found: set[str] = set()
     for chunk in _chunks(ids):
         found.update(conn.execute(  # type: ignore[attr-defined]
-            select(column).where(column.in_(chunk))).scalars())  # type: ignore[attr-defined]
+            select(column).where(column.in_(IDS)), {"ids": chunk}).scalars())  # type: ignore[attr-defined]
     return found
 
 
@@ -128,7 +130,8 @@ def stored_sessions(conn: object, generation_ids: Collection[str]
     for chunk in _chunks(generation_ids):
         for generation_id, payload in conn.execute(  # type: ignore[attr-defined]
                 select(JoinSession.generation_id, JoinSession.payload)
-                .where(JoinSession.generation_id.in_(chunk))):  # type: ignore[attr-defined]
+                .where(JoinSession.generation_id.in_(IDS)),  # type: ignore[attr-defined]
+                {"ids": chunk}):
             ids.append(generation_id)
             payloads.append(payload)
     return dict(zip(ids, _decoded(GenerationLogged, payloads), strict=True))
@@ -140,7 +143,7 @@ def pending_feedback(conn: object, generation_ids: Collection[str]) -> list[Feed
     for chunk in _chunks(generation_ids):
         payloads += conn.execute(select(JoinFeedback.payload).where(  # type: ignore[attr-defined]
             JoinFeedback.state == PENDING,
-            JoinFeedback.generation_id.in_(chunk))).scalars()  # type: ignore[attr-defined]
+            JoinFeedback.generation_id.in_(IDS)), {"ids": chunk}).scalars()  # type: ignore[attr-defined]
     return _decoded(FeedbackReceived, payloads)
 
 
@@ -149,10 +152,10 @@ def set_matched(conn: object, event_ids: Collection[str],
     """Stored feedback `event_ids` and stored sessions `generation_ids` found their match."""
     for chunk in _chunks(event_ids):
         conn.execute(update(JoinFeedback).where(  # type: ignore[attr-defined]
-            JoinFeedback.event_id.in_(chunk)).values(state=MATCHED))  # type: ignore[attr-defined]
+            JoinFeedback.event_id.in_(IDS)).values(state=MATCHED), {"ids": chunk})  # type: ignore[attr-defined]
     for chunk in _chunks(generation_ids):
         conn.execute(update(JoinSession).where(  # type: ignore[attr-defined]
-            JoinSession.generation_id.in_(chunk)).values(matched=True))  # type: ignore[attr-defined]
+            JoinSession.generation_id.in_(IDS)).values(matched=True), {"ids": chunk})  # type: ignore[attr-defined]
 
 
 def mark_produced(conn: object, experience_ids: Sequence[str],
@@ -160,7 +163,8 @@ def mark_produced(conn: object, experience_ids: Sequence[str],
     """Mark outbox rows produced and remember the highest acked offset per partition."""
     for chunk in _chunks(experience_ids):
         conn.execute(update(JoinExperience).where(  # type: ignore[attr-defined]
-            JoinExperience.experience_id.in_(chunk)).values(produced=True))  # type: ignore[attr-defined]
+            JoinExperience.experience_id.in_(IDS)).values(produced=True),  # type: ignore[attr-defined]
+            {"ids": chunk})
     for partition, offset in offsets.items():
         row = conn.execute(select(JoinProgress.offset).where(  # type: ignore[attr-defined]
             JoinProgress.partition == partition)).scalar()
