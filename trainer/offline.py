@@ -302,7 +302,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
     engines are copies of the policy's model, so they inherit the switch)."""
     from simulate.tasks import build_task_source
-    from trainer.midtrain import midtrain
+    from trainer.midtrain import corpus_tasks, midtrain_on
 
     start = time.monotonic()
     torch.set_num_threads(cfg.torch_threads)
@@ -316,9 +316,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         from kernels.batch_invariant import enable_batch_invariant
 
         enable_batch_invariant(policy.model)
-    chat = ChatTokens(policy.tokenizer)
-    mid = midtrain(policy, chat, train, steps=cfg.midtrain_steps, batch_size=cfg.midtrain_batch,
-                   lr=cfg.midtrain_lr, seed=cfg.seed)
+    mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train))
     cache = SandboxCache()
     eval_engine = make_engine(policy, seed=cfg.seed)
     try:

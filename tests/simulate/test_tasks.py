@@ -63,6 +63,18 @@ def test_builtin_tasks_pass_in_the_sandbox(builtin: list[Task]) -> None:
     assert [(r.status, r.tests_passed) for r in results] == [("passed", 4)] * len(sample)
 
 
+def test_practice_tasks_share_templates_but_no_task_or_value(builtin: list[Task]) -> None:
+    source = build_task_source(BuiltinTasksConfig())
+    practice = source.practice_tasks()
+    assert len(practice) >= 500
+    assert not {t.task_id for t in practice} & {t.task_id for t in builtin}
+    names = {t.entry_point for t in practice}
+    assert {"add_31", "count_char_A", "item_3"} <= names  # above the range; upper case
+    assert "add_30" not in names and "count_char_a" not in names
+    assert all(passes_in_process(t, t.canonical_solution or "") for t in practice[::7])
+    assert JsonlTaskSource(0.2, path=Path("unused.jsonl")).practice_tasks() == []
+
+
 def test_split_is_a_pure_function_of_the_task_id(builtin: list[Task]) -> None:
     source = build_task_source(BuiltinTasksConfig(held_out_fraction=0.2))
     train, held_out = source.split("train"), source.split("held_out")

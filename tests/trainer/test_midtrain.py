@@ -39,3 +39,24 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
     assert trained == (demonstration_call(task) + "<tool>run_tests</tool><tool>finish</tool>")
     untrained = chat.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert "applied 1 edit(s) to solution.py" in untrained and "passed: 4/4" in untrained
+
+
+def test_corpus_adds_practice_tasks_only_when_asked() -> None:
+    from simulate.tasks import BuiltinTasksConfig, build_task_source
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.midtrain import corpus_tasks
+
+    source = build_task_source(BuiltinTasksConfig())
+    train = source.split("train")
+    held_out = {t.task_id for t in source.split("held_out")}
+    with_practice = corpus_tasks(BootstrapSettings(), source, train)
+    assert len(with_practice) == len(train) + len(source.practice_tasks())
+    assert not {t.task_id for t in with_practice} & held_out
+    assert corpus_tasks(BootstrapSettings(midtrain_practice=False), source, train) == train
+
+
+def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
+    from trainer.midtrain import lr_factor
+
+    assert [lr_factor(s, 100, floor=1.0) for s in (0, 9, 10, 50, 99)] == [0.1, 1.0, 1.0, 1.0, 1.0]
+    assert lr_factor(99, 100) < 0.2  # the default still decays
