@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, select
+from sqlalchemy import BindParameter, Connection, Engine, bindparam, select
 from sqlalchemy import event as sa_event
 
 from app.db import FeedbackReceipt
@@ -31,7 +31,7 @@ from ingest.log import EventProducer, partition_for
 
 log = logging.getLogger(__name__)
 _ID_CHUNK = 5000  # ids per IN (...) query: under SQLite's and PostgreSQL's parameter limits
-_IDS = bindparam("ids", expanding=True)  # one cached statement for any number of ids
+_IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)  # one statement, any count
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

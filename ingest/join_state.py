@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, Text, bindparam, event, select, update
+from sqlalchemy import BindParameter, Engine, Text, bindparam, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
@@ -26,8 +26,9 @@ from ingest.log import decode_all
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
 _CHUNK = 5000  # ids per IN (...): under SQLite's and PostgreSQL's parameter limits
 E = TypeVar("E", bound=BaseModel)
-IDS = bindparam("ids", expanding=True)  # `column.in_(IDS)`, executed with {"ids": [...]}:
-# one cached statement whatever the list's length (a literal list compiles anew each time)
+# `column.in_(IDS)`, executed with {"ids": [...]}: one cached statement whatever the list's
+# length (a literal list compiles anew on every call)
+IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)
 
 
 class JoinSession(SQLModel, table=True):
