@@ -48,7 +48,7 @@ from kernels.bi_ops import (
 )
 from kernels.moe_replay import is_topk_router
 
-EXPERT_COLS = 4  # expert segments hold a multiple of this many tokens (see bi_experts_forward)
+EXPERT_COLS = 16  # expert segments hold a multiple of this many tokens (see bi_experts_forward)
 IMPLEMENTATION = "flywheel_batch_invariant"  # name registered in transformers' interfaces
 _STATE_ATTR = "_flywheel_batch_invariant"
 
@@ -88,8 +88,9 @@ def bi_experts_forward(
     hidden (N, H), top_k_index (N, K), top_k_weights (N, K) -> (N, H). Each expert's tokens are
     gathered into a segment padded to a multiple of EXPERT_COLS, and one grouped GEMM computes
     W_e @ X_e^T per segment: the tokens are GEMM *columns*, and a column's bits depend neither
-    on the column count (from 2 up) nor on its place, while the rows (the expert's output
-    features) are fixed by the weights; so segments need 4 tokens, not ROW_TILE. A token's
+    on the column count nor on its place once that count is a multiple of EXPERT_COLS, while
+    the rows (the expert's output features) are fixed by the weights. MKL on AVX-512 (Intel)
+    was invariant from 4 columns; on AMD EPYC (AVX2 kernels) 4 and 8 were not, 16 is. A token's
     output is the sum of its experts' weighted outputs in ascending expert id, as in the eager
     loop. Expert ids >= num_experts (expert-parallel sentinels) contribute zero.
     """

@@ -44,7 +44,10 @@ def check_kernels(device: str) -> None:
         assert torch.equal(T.linear(x[:m], w), full[:m]), m
     a, b = randn(3, 20, 40), randn(3, 30, 40).transpose(1, 2)  # strided operand
     torch.testing.assert_close(T.bmm(a, b), torch.bmm(a, b))
-    assert torch.equal(T.bmm(a[:, 7:8], b), T.bmm(a, b)[:, 7:8])
+    assert torch.equal(T.bmm(a[:, :8], b), T.bmm(a, b)[:, :8])  # fewer rows: same bits
+    if device == "cuda":  # a row moved within a tile: the interpreter's tl.dot is the host's
+        # numpy matmul, whose bits depend on the row's place in the tile on some CPUs (AMD)
+        assert torch.equal(T.bmm(a[:, 7:8], b), T.bmm(a, b)[:, 7:8])
 
     logits, hidden = randn(9, 2500) * 3, randn(9, 300)  # logits span several ROW_BLOCKs
     torch.testing.assert_close(T.log_softmax(logits), torch.log_softmax(logits, -1))
