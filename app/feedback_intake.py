@@ -22,16 +22,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BindParameter, Connection, Engine, bindparam, select
+from sqlalchemy import Connection, Engine
 from sqlalchemy import event as sa_event
 
 from app.db import FeedbackReceipt
 from ingest.events import FeedbackReceived, encode, utcnow
 from ingest.log import EventProducer, partition_for
+from ingest.sql_ids import existing_ids
 
 log = logging.getLogger(__name__)
-_ID_CHUNK = 5000  # ids per IN (...) query: under SQLite's and PostgreSQL's parameter limits
-_IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)  # one statement, any count
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -217,14 +216,8 @@ class ReceiptLedger:
         self._conn: Connection | None = None
 
     def existing(self, event_ids: set[str]) -> set[str]:
-        ids = sorted(event_ids)
-        found: set[str] = set()
         with self._transaction() as conn:
-            for start in range(0, len(ids), _ID_CHUNK):
-                chunk = ids[start:start + _ID_CHUNK]
-                found.update(conn.execute(select(self._column).where(
-                    self._column.in_(_IDS)), {"ids": chunk}).scalars())
-        return found
+            return existing_ids(conn, self._column, event_ids)
 
     def record(self, events: list[FeedbackReceived]) -> None:
         now = self._to_db(utcnow())

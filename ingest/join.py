@@ -48,7 +48,6 @@ from ingest.join_state import (
     JoinFeedback,
     JoinProgress,
     JoinSession,
-    existing_ids,
     insert_new,
     mark_produced,
     open_state,
@@ -58,6 +57,7 @@ from ingest.join_state import (
 )
 from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics, partition_for
 from ingest.rewards import reward_for
+from ingest.sql_ids import existing_ids
 
 log = logging.getLogger(__name__)
 _PRODUCE_CHUNK = 20_000  # experiences per produce-and-mark round

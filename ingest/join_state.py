@@ -12,23 +12,21 @@ Four tables, owned by `ingest.join`:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import BindParameter, Engine, Text, bindparam, event, select, update
+from sqlalchemy import Engine, Text, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
 from ingest.log import decode_all
+from ingest.sql_ids import IDS
+from ingest.sql_ids import chunks as _chunks
 
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
-_CHUNK = 5000  # ids per IN (...): under SQLite's and PostgreSQL's parameter limits
 E = TypeVar("E", bound=BaseModel)
-# `column.in_(IDS)`, executed with {"ids": [...]}: one cached statement whatever the list's
-# length (a literal list compiles anew on every call)
-IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)
 
 
 class JoinSession(SQLModel, table=True):
@@ -98,20 +96,6 @@ def insert_new(engine: Engine, table: type[SQLModel], rows: Sequence[dict[str, o
     dialect = sqlite if engine.dialect.name == "sqlite" else postgresql
     stmt = dialect.insert(table.__table__).on_conflict_do_nothing()  # type: ignore[attr-defined]
     conn.execute(stmt, list(rows))  # type: ignore[attr-defined]
-
-
-def _chunks(ids: Iterable[str]) -> Iterator[list[str]]:
-    wanted = sorted(set(ids))
-    for start in range(0, len(wanted), _CHUNK):
-        yield wanted[start:start + _CHUNK]
-
-
-def existing_ids(conn: object, column: object, ids: Iterable[str]) -> set[str]:
-    found: set[str] = set()
-    for chunk in _chunks(ids):
-        found.update(conn.execute(  # type: ignore[attr-defined]
-            select(column).where(column.in_(IDS)), {"ids": chunk}).scalars())  # type: ignore[attr-defined]
-    return found
 
 
 def _decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
