@@ -20,8 +20,10 @@ from kernels.delta import (
 )
 from kernels.delta.chain import ChainError, ReleaseInfo, apply_chain, plan_chain
 from kernels.delta.codec import CodecOptions, decode_tensor, encode_tensor
+from kernels.delta.manifest import DeltaManifest
 from kernels.delta.nibble import CHUNK as NIBBLE_CHUNK
 from kernels.delta.nibble import encode_nibble
+from kernels.delta.state_dict import ShardReader
 from kernels.delta.streams import tensor_bits, xxh3_hex
 from kernels.weights import state_dict_sha256
 
@@ -70,6 +72,16 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in sd.items()}
+
+
+def assert_refused_untouched(base: dict[str, torch.Tensor], manifest: DeltaManifest,
+                             shard: ShardReader, *, match: str) -> None:
+    """apply_delta on a copy of `base` raises DeltaVerificationError naming `match`, and the
+    copy keeps every bit of `base`."""
+    live = _copy(base)
+    with pytest.raises(DeltaVerificationError, match=match):
+        apply_delta(live, manifest, shard)
+    assert _bits_equal(live, base)
 
 
 @pytest.mark.parametrize("classes", [1, 2, 4])
@@ -136,10 +148,7 @@ def test_a_corrupt_nibble_stream_is_refused() -> None:
     manifest = release.manifest.model_copy(deep=True)
     assert manifest.tensors[0].codec == "nibble"
     manifest.tensors[0].frames[0].length -= 1  # a truncated frame, with consistent shards
-    live = _copy(base)
-    with pytest.raises(DeltaVerificationError, match="undecodable"):
-        apply_delta(live, manifest, release.shards.__getitem__)
-    assert _bits_equal(live, base)
+    assert_refused_untouched(base, manifest, release.shards.__getitem__, match="undecodable")
 
 
 def test_tiny_shards_round_trip() -> None:
@@ -161,10 +170,7 @@ def test_flipped_byte_in_a_shard_is_refused_and_live_untouched() -> None:
     corrupt = bytearray(release.shards[name])
     corrupt[len(corrupt) // 2] ^= 0x01
     shards = {**release.shards, name: bytes(corrupt)}
-    live = _copy(base)
-    with pytest.raises(DeltaVerificationError, match=name):
-        apply_delta(live, release.manifest, shards.__getitem__)
-    assert _bits_equal(live, base)
+    assert_refused_untouched(base, release.manifest, shards.__getitem__, match=name)
 
 
 def test_a_decoded_tensor_that_fails_its_hash_is_refused() -> None:
@@ -173,10 +179,7 @@ def test_a_decoded_tensor_that_fails_its_hash_is_refused() -> None:
     manifest = release.manifest.model_copy(deep=True)
     entry = next(t for t in manifest.tensors if t.name == "layer.0.mlp")
     entry.target_xxh3 = "0" * 32
-    live = _copy(base)
-    with pytest.raises(DeltaVerificationError, match="layer.0.mlp"):
-        apply_delta(live, manifest, release.shards.__getitem__)
-    assert _bits_equal(live, base)
+    assert_refused_untouched(base, manifest, release.shards.__getitem__, match="layer.0.mlp")
 
 
 def test_wrong_base_is_refused() -> None:
