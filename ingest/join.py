@@ -48,10 +48,12 @@ from ingest.join_state import (
     JoinFeedback,
     JoinProgress,
     JoinSession,
+    claim_pending,
     insert_new,
     mark_produced,
     open_state,
     pending_feedback,
+    pending_with_sessions,
     set_matched,
     stored_sessions,
 )
@@ -71,6 +73,7 @@ class JoinStats:
     experiences: int = 0
     expired_feedback: int = 0
     expired_sessions: int = 0
+    rematched: int = 0
     dead_letters: int = 0
 
 
@@ -194,6 +197,7 @@ class Join:
         if records:
             self.consumer.commit()
         if self.clock() >= self._next_sweep:
+            self.rematch()
             self.expire()
             self._next_sweep = self.clock() + self.settings.sweep_every_s
         self.stats.dead_letters = self.consumer.dead_letters
@@ -313,6 +317,26 @@ class Join:
                 mark_produced(conn, found, {})
             log.warning("join: %d experiences were produced before a crash; not again",
                         len(found))
+
+    def rematch(self) -> None:
+        """Match pending feedback whose session is stored after all. Sessions and feedback are
+        co-partitioned (`ingest.log.partition_for`), so one member sees both halves of a
+        generation; only while a partition moves between members can each store its half
+        before seeing the other's, and this sweep closes that gap."""
+        with self.db.begin() as conn:
+            found = pending_with_sessions(conn)
+            if not found:
+                return
+            claimed = claim_pending(conn, [f.event_id for f, _ in found])
+            pairs = [(f, _Match(s, session_members(s))) for f, s in found
+                     if f.event_id in claimed]
+            set_matched(conn, [], {m.session.generation_id for _, m in pairs})
+            self._queue(conn, pairs)
+        self.stats.rematched += len(pairs)
+        if pairs:
+            log.info("join: %d pending feedback events met sessions stored meanwhile",
+                     len(pairs))
+            self.drain()
 
     def expire(self) -> None:
         """Send entries unmatched for `expire_after_s` to the DLQ, then forget them."""

@@ -70,10 +70,18 @@ TABLES = [JoinSession.__table__, JoinFeedback.__table__,  # type: ignore[attr-de
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.isolation_level = None  # the driver's own BEGIN off: `_begin_immediate` does it
     cursor = dbapi_conn.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+def _begin_immediate(conn: Any) -> None:
+    """Take SQLite's write lock when a transaction begins: several join processes on one file
+    then queue for it (busy_timeout) instead of failing when a read turns into a write."""
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def open_state(url: str) -> Engine:
@@ -84,6 +92,7 @@ def open_state(url: str) -> Engine:
         # WAL + synchronous=NORMAL: a commit survives the process being killed (the OS holds
         # the WAL); only a machine crash can lose the last ones, which Kafka re-delivers.
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _begin_immediate)
     SQLModel.metadata.create_all(engine, tables=TABLES)
     return engine
 
@@ -132,6 +141,18 @@ def pending_feedback(conn: object, generation_ids: Collection[str]) -> list[Feed
     return _decoded(FeedbackReceived, payloads)
 
 
+def pending_with_sessions(conn: object) -> list[tuple[FeedbackReceived, GenerationLogged]]:
+    """Pending feedback whose session is stored after all: what two join members can leave
+    behind when a partition moves between them mid-poll (each stored its half before seeing
+    the other's). The sweep matches them."""
+    rows = conn.execute(select(JoinFeedback.payload, JoinSession.payload).join(  # type: ignore[attr-defined]
+        JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)  # type: ignore[arg-type]
+        .where(JoinFeedback.state == PENDING)).all()
+    feedback = _decoded(FeedbackReceived, [f for f, _ in rows])
+    sessions = _decoded(GenerationLogged, [s for _, s in rows])
+    return list(zip(feedback, sessions, strict=True))
+
+
 def set_matched(conn: object, event_ids: Collection[str],
                 generation_ids: Collection[str]) -> None:
     """Stored feedback `event_ids` and stored sessions `generation_ids` found their match."""
@@ -141,6 +162,18 @@ def set_matched(conn: object, event_ids: Collection[str],
     for chunk in _chunks(generation_ids):
         conn.execute(update(JoinSession).where(  # type: ignore[attr-defined]
             JoinSession.generation_id.in_(IDS)).values(matched=True), {"ids": chunk})  # type: ignore[attr-defined]
+
+
+def claim_pending(conn: object, event_ids: Collection[str]) -> set[str]:
+    """Mark pending feedback `event_ids` matched; returns those this call moved (a concurrent
+    member that claimed one first makes it drop out, so each experience is queued once)."""
+    claimed: set[str] = set()
+    for chunk in _chunks(event_ids):
+        claimed.update(conn.execute(  # type: ignore[attr-defined]
+            update(JoinFeedback).where(JoinFeedback.event_id.in_(IDS),  # type: ignore[attr-defined]
+                                       JoinFeedback.state == PENDING)
+            .values(state=MATCHED).returning(JoinFeedback.event_id), {"ids": chunk}).scalars())
+    return claimed
 
 
 def mark_produced(conn: object, experience_ids: Sequence[str],

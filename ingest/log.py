@@ -9,6 +9,7 @@ the caller has stored what depends on the records; a record that does not decode
 from __future__ import annotations
 
 import logging
+import random
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,9 @@ from typing import Any, Generic, TypeVar
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
+from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import TopicAlreadyExistsError
+from kafka.partitioner.abc import Partitioner
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ingest.config import KafkaConfig
@@ -47,10 +50,28 @@ def ensure_topics(config: KafkaConfig) -> list[str]:
 def partition_for(key: bytes, partitions: int) -> int:
     """A stable partition for `key` (CRC-32: the same key always lands on the same partition).
 
-    Cheaper than kafka-python's murmur2 partitioner (written in Python); producers that send
-    many records per call pass it to `send_many`.
+    Every Flywheel producer partitions by it (`Crc32Partitioner`), so `sessions` and
+    `feedback`, both keyed by generation_id and created with the same partition count, are
+    co-partitioned: a generation's session and its feedback share a partition number, and the
+    join's range assignment hands both to the same member. Cheaper than kafka-python's murmur2
+    (written in Python); producers that send many records per call pass it to `send_many`.
     """
     return zlib.crc32(key) % partitions
+
+
+class Crc32Partitioner(Partitioner):
+    """kafka-python's partitioner interface over `partition_for`; unkeyed records go to any
+    available partition, as with the default partitioner."""
+
+    def partition(self, topic: str, key: Any, serialized_key: bytes | None, value: Any,
+                  serialized_value: bytes | None, cluster: Any) -> int:
+        all_partitions = sorted(cluster.partitions_for_topic(topic) or ())
+        if not all_partitions:
+            raise ValueError(f"topic {topic!r} has no partitions in the metadata")
+        if serialized_key is None:
+            available = list(cluster.available_partitions_for_topic(topic))
+            return random.choice(available or all_partitions)
+        return all_partitions[partition_for(serialized_key, len(all_partitions))]
 
 
 class EventProducer:
@@ -67,7 +88,8 @@ class EventProducer:
         self._producer = KafkaProducer(
             bootstrap_servers=config.bootstrap, client_id=client_id, acks="all",
             enable_idempotence=True, compression_type="zstd", linger_ms=config.linger_ms,
-            batch_size=batch_size, request_timeout_ms=config.request_timeout_ms,
+            batch_size=batch_size, partitioner=Crc32Partitioner(),
+            request_timeout_ms=config.request_timeout_ms,
             delivery_timeout_ms=config.delivery_timeout_ms,
             max_block_ms=config.request_timeout_ms)
 
@@ -173,7 +195,10 @@ class EventConsumer:
             session_timeout_ms=config.session_timeout_ms,
             heartbeat_interval_ms=config.heartbeat_interval_ms,
             request_timeout_ms=max(config.request_timeout_ms, config.session_timeout_ms + 5000),
-            max_poll_records=max_poll_records)
+            max_poll_records=max_poll_records,
+            # range: partition p of every topic goes to the same member, which keeps
+            # co-partitioned topics (sessions, feedback) together
+            partition_assignment_strategy=(RangePartitionAssignor,))
         self.dead_letters = 0
 
     def poll(self, timeout_ms: int = 1000) -> list[Delivered[Any]]:

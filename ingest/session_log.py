@@ -29,6 +29,7 @@ from kafka.errors import KafkaError
 
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged, encode
+from ingest.log import Crc32Partitioner
 from ingest.spool import Spool, SpoolRecord
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class SessionProducer:
         self._producer = KafkaProducer(
             bootstrap_servers=config.bootstrap, client_id="flywheel-session-log", acks="all",
             enable_idempotence=True, compression_type="zstd", linger_ms=config.linger_ms,
-            request_timeout_ms=config.request_timeout_ms,
+            partitioner=Crc32Partitioner(), request_timeout_ms=config.request_timeout_ms,
             delivery_timeout_ms=config.delivery_timeout_ms,
             max_block_ms=config.request_timeout_ms,
             bootstrap_timeout_ms=config.request_timeout_ms)

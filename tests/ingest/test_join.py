@@ -211,6 +211,50 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
         experience_id_for(e.event_id) for e in events)
 
 
+def test_sessions_and_feedback_of_a_generation_share_a_partition(
+        kafka: KafkaConfig, producer: EventProducer) -> None:
+    """The session log and the intake place a generation's records on one partition number,
+    which the join's range assignment gives to one member."""
+    from ingest.log import partition_for
+    from ingest.session_log import SessionProducer
+
+    sessions = SessionProducer(kafka)
+    try:
+        for i in range(12):
+            g = f"gen-p{i}-{uuid.uuid4().hex[:6]}"
+            meta_s = sessions.send_raw(kafka.topics.sessions, g, b"{}").get(timeout=10)
+            meta_f = producer.send_raw(kafka.topics.feedback, g, b"{}").get(timeout=10)
+            expected = partition_for(g.encode(), producer.partitions(kafka.topics.feedback))
+            assert meta_s.partition == meta_f.partition == expected
+    finally:
+        sessions.abandon()
+
+
+def test_the_sweep_matches_feedback_whose_session_another_member_stored(
+        kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join],
+        clock: Clock) -> None:
+    """Two members can each store their half of a generation while its partition moves
+    between them; the sweep joins the halves, once, even when both members sweep."""
+    from ingest.join_state import JoinSession, insert_new
+
+    event = feedback("gen-r")
+    producer.send(kafka.topics.feedback, "gen-r", event).get(timeout=10)
+    first, second = make_join(), make_join()
+    run_until(first, lambda: first.stats.feedback == 1)
+    assert first.stats.experiences == 0
+    session = synthetic_session("gen-r", np.random.default_rng(6))
+    with second.db.begin() as conn:  # the other member stored the session, saw no feedback
+        insert_new(second.db, JoinSession, [{"generation_id": "gen-r", "first_seen": clock(),
+                                             "payload": session.model_dump_json()}], conn)
+    clock.now += 10  # past sweep_every_s: the next step sweeps
+    first.step()
+    second.step()
+    assert first.stats.rematched + second.stats.rematched == 1
+    experiences = read_all(kafka, kafka.topics.experiences, ExperienceReady)
+    assert [x.feedback_event_ids for x in experiences] == [[event.event_id]]
+    assert experiences[0].completion_token_ids == session.completion_token_ids
+
+
 @pytest.mark.parametrize("kind, value, stop, routed", [
     ("accept", None, [], True), ("edit_kept", 0.25, ['"created_at":', "\\n"], False),
     ("thumbs_down", -3.5e-7, ["é ünïcode"], True)])
