@@ -1,15 +1,17 @@
 """Feedback webhook + join throughput on a real broker, real SQL and real signatures.
 
     .venv/bin/python bench/feedback.py [--single 4000] [--batch-events 40000] [--workers 1]
+                                       [--join-procs <cores>]
 
 Starts an embedded broker and the API (uvicorn subprocess, `--workers` processes), drives
 `POST /v1/feedback` and `POST /v1/feedback/batch` at concurrency 32 over keep-alive HTTP/1.1
 connections (a minimal asyncio client, so the client is not what is measured), each request
 signed with HMAC-SHA256 at send time (bodies are built beforehand); then produces a session
-for every generation and times `ingest.join.Join` over everything (records/s from its first
-record to its last experience). Beside wall-clock rates it reports the CPU time each part
-spent per request or record (server, broker, client, join), which a loaded machine does not
-distort, and the load average. Ends with one JSON line.
+for every generation and times the join over everything (records/s from its first record to
+its last experience), once with one process and once with `--join-procs` processes in one
+consumer group (each on its own partitions, one shared SQLite state). Beside wall-clock rates
+it reports the CPU time each part spent per request or record (server, broker, client, join),
+which a loaded machine does not distort, and the load average. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,9 +142,93 @@ def wait_healthy(port: int, timeout_s: float = 180) -> None:
     raise RuntimeError("API did not start")
 
 
-def bench_join(settings: Settings, generations: list[str], expected: int,
-               data: Path) -> tuple[float, float]:
+@dataclass
+class JoinRun:
+    """What `bench_join` measured: records/s of the whole group from its first record to the
+    last experience, and CPU microseconds per record summed over its members."""
+
+    procs: int
+    events_per_s: float
+    cpu_us_per_record: float
+
+
+def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
+                 shared: dict[str, Any]) -> None:
+    """One member of the bench's join group (a spawned process). Holds its partitions paused
+    until the parent says go, so that every member is in the group before anything is read
+    (a member joining later would stop the others for a rebalance)."""
     from ingest.join import Join
+
+    join = Join(kafka, settings, database_url=database_url)
+    go, assigned = shared["go"], shared["assigned"]
+
+    def hold(partitions: set[Any]) -> None:
+        if not go.is_set():
+            join.consumer.pause(partitions)
+        assigned[index] = len(partitions)
+
+    def revoked(_partitions: set[Any]) -> None:
+        assigned[index] = 0
+
+    join.consumer.on_assigned.append(hold)
+    join.consumer.on_revoked.append(revoked)
+    while not go.is_set():
+        join.consumer.poll(timeout_ms=100)  # joins the group and heartbeats; paused: no records
+    join.consumer.resume()
+    first, cpu0 = 0.0, 0.0
+    try:
+        while not shared["stop"].is_set():
+            before = time.perf_counter(), time.process_time()
+            n = join.step()
+            if n and not first:
+                first, cpu0 = before
+                shared["first"][index] = first
+            with shared["records"].get_lock():
+                shared["records"][index] += n
+                shared["experiences"][index] = join.stats.experiences
+        shared["cpu"][index] = time.process_time() - cpu0 if first else 0.0
+    finally:
+        join.close()
+
+
+def bench_join(settings: Settings, generations: list[str], expected: int, data: Path,
+               procs: int) -> JoinRun:
+    """Produce a session for every generation, then run `procs` join processes in one group
+    (fresh group, fresh SQLite state) until every feedback event became an experience."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    kafka = settings.kafka_config(str(settings.kafka_bootstrap))
+    join_settings = settings.join.model_copy(update={"group_id": f"bench-{uuid.uuid4().hex}"})
+    database_url = f"sqlite:///{data / f'join-{procs}.db'}"
+    shared = {"go": ctx.Event(), "stop": ctx.Event(), "assigned": ctx.Array("i", procs),
+              "records": ctx.Array("q", procs), "experiences": ctx.Array("q", procs),
+              "first": ctx.Array("d", procs), "cpu": ctx.Array("d", procs)}
+    members = [ctx.Process(target=_join_member, args=(kafka, join_settings, database_url, i,
+                                                      shared)) for i in range(procs)]
+    for m in members:
+        m.start()
+    partitions = 2 * kafka.topics.partitions  # sessions + feedback
+    deadline = time.monotonic() + 120
+    while not (all(shared["assigned"][:]) and sum(shared["assigned"][:]) == partitions):
+        if time.monotonic() > deadline or not all(m.is_alive() for m in members):
+            raise RuntimeError(f"join group did not form: {shared['assigned'][:]}")
+        time.sleep(0.05)
+    shared["go"].set()
+    while sum(shared["experiences"][:]) < expected:
+        if not all(m.is_alive() for m in members):
+            raise RuntimeError("a join member died")
+        time.sleep(0.005)
+    done = time.perf_counter()
+    shared["stop"].set()
+    for m in members:
+        m.join(timeout=60)
+    records = sum(shared["records"][:])
+    started = min(t for t in shared["first"][:] if t)
+    return JoinRun(procs, records / (done - started), sum(shared["cpu"][:]) / records * 1e6)
+
+
+def produce_sessions(settings: Settings, generations: list[str]) -> None:
     from ingest.log import EventProducer
     from tests.ingest.test_join import synthetic_session
 
@@ -151,18 +239,6 @@ def bench_join(settings: Settings, generations: list[str], expected: int,
         producer.send(kafka.topics.sessions, g, synthetic_session(g, rng))
     producer.flush()
     producer.close()
-    join = Join(kafka, settings.join, database_url=f"sqlite:///{data / 'join.db'}")
-    records, first, cpu0 = 0, None, 0.0
-    while join.stats.experiences < expected:
-        before = time.perf_counter(), time.process_time()
-        n = join.step()
-        if n and first is None:  # from the poll that brought the first records
-            first, cpu0 = before
-        records += n
-    elapsed = time.perf_counter() - (first or time.perf_counter())
-    cpu = time.process_time() - cpu0
-    join.close()
-    return records / elapsed, cpu / records * 1e6
 
 
 def phase(port: int, path: str, bodies: list[bytes], meter_pids: tuple[int, int],
@@ -179,6 +255,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--generations", type=int, default=5000)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--join-procs", type=int, default=os.cpu_count() or 1,
+                        help="join processes in one consumer group (also timed with one)")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
     broker = EmbeddedBroker.start(log_path=data / "broker.log")
@@ -223,19 +301,25 @@ def main() -> None:
           f"{batch_eps:.0f} events/s; CPU us/event {batch_cpu}")
     expected = len(warm) + args.single + n_batch_events
     try:
-        join_eps, join_cpu_us = bench_join(settings, gens, expected, data)
+        produce_sessions(settings, gens)
+        runs = [bench_join(settings, gens, expected, data, n)
+                for n in sorted({1, args.join_procs})]
     finally:
         broker.stop()
-    print(f"join: {join_eps:.0f} records/s ({expected} feedback + {len(gens)} sessions); "
-          f"CPU us/record {join_cpu_us:.1f}")
+    for run in runs:
+        print(f"join x{run.procs}: {run.events_per_s:.0f} records/s ({expected} feedback + "
+              f"{len(gens)} sessions); CPU us/record {run.cpu_us_per_record:.1f}")
+    join = runs[-1]
     print(json.dumps({"bench": "feedback", "single_rps": round(single_rps, 1),
                       "single_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
                       "single_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
                       "batch_events_per_s": round(batch_eps, 1),
-                      "join_events_per_s": round(join_eps, 1),
+                      "join_events_per_s": round(join.events_per_s, 1),
                       "single_cpu_us_per_req": single_cpu,
                       "batch_cpu_us_per_event": batch_cpu,
-                      "join_cpu_us_per_record": round(join_cpu_us, 1),
+                      "join_procs": join.procs,
+                      "join_events_per_s_1proc": round(runs[0].events_per_s, 1),
+                      "join_cpu_us_per_record": round(join.cpu_us_per_record, 1),
                       "workers": args.workers, "cores": os.cpu_count(),
                       "loadavg_1m": round(os.getloadavg()[0], 2)}))
 

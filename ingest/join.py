@@ -12,6 +12,13 @@ A crash anywhere re-delivers records that the SQL ledger then ignores; outbox ro
 but not marked are found on restart by scanning the topic's tail, so nothing counts twice.
 Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
 there with their raw bytes (EventConsumer).
+
+Several processes scale it out as one consumer group over one SQL state: every producer
+partitions by CRC-32 of the key and both topics are keyed by generation_id, so a generation's
+session and feedback share a partition number, which range assignment gives to one member.
+Each member drains the outbox rows of the partitions it owns (after a rebalance, also those a
+previous owner left), and its sweep matches the halves of a generation that two members stored
+while the partition moved between them.
 """
 
 from __future__ import annotations
@@ -175,8 +182,24 @@ class Join:
         self._next_sweep = 0.0
         self._recovered = False
         self._outbox_loaded = False  # the first drain reads what a predecessor left unproduced
-        self._outbox: list[tuple[str, bytes]] = []  # stored by this process, not produced yet
+        # stored by this process, not produced yet: (experience id, input partition, JSON)
+        self._outbox: list[tuple[str, int, bytes]] = []
         self._recent = RecentSessions(settings.session_cache)
+        self._owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
+        self.consumer.on_assigned.append(self._assigned)
+
+    def _assigned(self, partitions: set[TopicPartition]) -> None:
+        """A rebalance gave this member `partitions`: it now owns their generations' outbox
+        rows, including any a previous owner left unproduced: the step recovers those it did
+        produce, and the next drain reads the rest."""
+        self._owned = {tp.partition for tp in partitions
+                       if tp.topic == self.kafka.topics.feedback}
+        self._recovered = self._outbox_loaded = False
+
+    def _partition_of(self, generation_id: str) -> int:
+        """The input partition of a generation (sessions and feedback are co-partitioned)."""
+        return partition_for(generation_id.encode(),
+                             self.producer.partitions(self.kafka.topics.feedback))
 
     def run(self, stop: threading.Event) -> JoinStats:
         try:
@@ -189,8 +212,8 @@ class Join:
     def step(self) -> int:
         """One poll: store, match, produce, commit; returns the records it handled."""
         records = self.consumer.poll(timeout_ms=self.settings.poll_timeout_ms)
-        if not self._recovered:  # after the first poll: the group is joined, the old
-            self.recover()        # member's in-flight produce requests have landed
+        if not self._recovered:  # after a poll that (re)joined the group: the previous
+            self.recover()        # owner's in-flight produce requests have landed
         if records:
             self.absorb(records)
         self.drain()
@@ -257,18 +280,23 @@ class Join:
         rows = [(experience_id_for(f.event_id), f.event_id, m.session.generation_id,
                  experience_json(m.session, m.members, f, reward_for(f, rewards), joined))
                 for f, m in pairs]
+        sources = [self._partition_of(g) for _, _, g, _ in rows]
         insert_new(self.db, JoinExperience, [
             {"experience_id": x, "event_id": e, "generation_id": g, "payload": p.decode(),
-             "produced": False} for x, e, g, p in rows], conn)
-        self._outbox += [(x, p) for x, _, _, p in rows]
+             "partition": source, "produced": False}
+            for (x, e, g, p), source in zip(rows, sources, strict=True)], conn)
+        self._outbox += [(x, source, p) for (x, _, _, p), source in zip(rows, sources,
+                                                                         strict=True)]
 
     def drain(self) -> None:
         """Produce every unproduced experience, await the acks, then mark them produced."""
         if not self._outbox_loaded:  # what a predecessor (or this one, so far) left behind
             with self.db.connect() as conn:
-                self._outbox = [(x, p.encode()) for x, p in conn.execute(
-                    select(JoinExperience.experience_id, JoinExperience.payload)
-                    .where(JoinExperience.produced == False))]  # noqa: E712
+                self._outbox = [(x, source, p.encode()) for x, source, p in conn.execute(
+                    select(JoinExperience.experience_id, JoinExperience.partition,
+                           JoinExperience.payload)
+                    .where(JoinExperience.produced == False,  # noqa: E712
+                           JoinExperience.partition.in_(sorted(self._owned))))]  # type: ignore[attr-defined]
             self._outbox_loaded = True
         rows, self._outbox = self._outbox, []
         try:
@@ -278,16 +306,16 @@ class Join:
             self._outbox_loaded = False  # re-read from SQL: nothing stored is forgotten
             raise
 
-    def _produce(self, rows: list[tuple[str, bytes]]) -> None:
+    def _produce(self, rows: list[tuple[str, int, bytes]]) -> None:
         producer, topic = self.producer, self.kafka.topics.experiences
         partitions = producer.partitions(topic)
         records = []
-        for experience_id, payload in rows:
+        for experience_id, _, payload in rows:
             key = experience_id.encode()
             records.append((partition_for(key, partitions), key, payload))
         futures = producer.send_many(topic, records)
-        last = {partition: future for (partition, _, _), future in zip(records, futures,
-                                                                       strict=True)}
+        last = {(source, partition): future for (_, source, _), (partition, _, _), future
+                in zip(rows, records, futures, strict=True)}
         timeout_s = self.kafka.delivery_timeout_ms / 1000
         producer.flush(timeout_s)
         for future in futures:
@@ -295,23 +323,34 @@ class Join:
                 future.get(timeout=timeout_s)  # raises the broker's error
         offsets = {p: f.get(timeout=timeout_s).offset for p, f in last.items()}
         with self.db.begin() as conn:
-            mark_produced(conn, [x for x, _ in rows], offsets)
+            mark_produced(conn, [x for x, _, _ in rows], offsets)
         self.stats.experiences += len(rows)
 
     def recover(self) -> None:
-        """Mark outbox rows a killed predecessor produced but did not mark (topic tail scan)."""
+        """Mark the outbox rows of this member's partitions that a killed predecessor produced
+        but did not mark: scan the experiences topic from the last offsets acked for them."""
         self._recovered = True
+        owned = sorted(self._owned)
         with self.db.connect() as conn:
-            pending = set(conn.execute(select(JoinExperience.experience_id)
-                                       .where(JoinExperience.produced == False))  # noqa: E712
-                          .scalars())
-            starts = dict(conn.execute(select(JoinProgress.partition, JoinProgress.offset))
-                          .tuples().all())
+            pending = dict(conn.execute(
+                select(JoinExperience.experience_id, JoinExperience.partition)
+                .where(JoinExperience.produced == False,  # noqa: E712
+                       JoinExperience.partition.in_(owned))).tuples().all())  # type: ignore[attr-defined]
+            progress = conn.execute(select(JoinProgress.source, JoinProgress.partition,
+                                           JoinProgress.offset)
+                                    .where(JoinProgress.source.in_(owned))).tuples().all()  # type: ignore[attr-defined]
         if not pending:
             return
-        seen = scan_keys(self.kafka, self.kafka.topics.experiences,
-                         {p: o + 1 for p, o in starts.items()})
-        found = sorted(pending & seen)
+        # a source's unmarked rows were produced after its marked ones: from the earliest
+        # acked offset among the sources with rows pending (0 where one has none yet)
+        sources = set(pending.values())
+        acked: dict[int, dict[int, int]] = {}
+        for source, partition, offset in progress:
+            acked.setdefault(partition, {})[source] = offset
+        count = self.producer.partitions(self.kafka.topics.experiences)
+        starts = {q: min(acked.get(q, {}).get(p, -1) + 1 for p in sources) for q in range(count)}
+        seen = scan_keys(self.kafka, self.kafka.topics.experiences, starts, set(pending))
+        found = sorted(pending.keys() & seen)
         if found:
             with self.db.begin() as conn:
                 mark_produced(conn, found, {})
@@ -322,9 +361,10 @@ class Join:
         """Match pending feedback whose session is stored after all. Sessions and feedback are
         co-partitioned (`ingest.log.partition_for`), so one member sees both halves of a
         generation; only while a partition moves between members can each store its half
-        before seeing the other's, and this sweep closes that gap."""
+        before seeing the other's, and this sweep (by the partition's owner) closes that gap."""
         with self.db.begin() as conn:
-            found = pending_with_sessions(conn)
+            found = [(f, s) for f, s in pending_with_sessions(conn)
+                     if self._partition_of(f.generation_id) in self._owned]
             if not found:
                 return
             claimed = claim_pending(conn, [f.event_id for f, _ in found])
@@ -377,10 +417,16 @@ class Join:
         self.db.dispose()
 
 
-def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int]) -> set[str]:
-    """The keys of `topic` from `starts` (partition -> offset; else the beginning) to its end."""
+def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int],
+              wanted: set[str] | None = None) -> set[str]:
+    """The keys of `topic` from `starts` (partition -> offset; else the beginning) to its end,
+    or until every key of `wanted` is seen.
+
+    A poll takes every fetched record (Tansu's end offset is the last batch's first offset
+    + 1, so a poll that stopped partway through the last batch would look like the end)."""
     consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False,
-                             group_id=None, request_timeout_ms=kafka.request_timeout_ms)
+                             group_id=None, request_timeout_ms=kafka.request_timeout_ms,
+                             max_poll_records=1_000_000)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
                                                         or ())]
@@ -395,6 +441,8 @@ def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int]) -> set[str
                 raise TimeoutError(f"{topic}: tail scan did not reach the end in 60s")
             for records in consumer.poll(timeout_ms=200).values():
                 keys.update(r.key.decode() for r in records if r.key is not None)
+            if wanted is not None and wanted <= keys:
+                break
         return keys
     finally:
         consumer.close()

@@ -5,9 +5,11 @@ Four tables, owned by `ingest.join`:
 - `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
   pending (no session yet; the FeedbackReceived JSON kept for the match), matched, or
   expired.
-- `join_experience`: the outbox: experiences built at match time, `produced` once acked.
-- `join_progress`: per experiences partition, the highest offset this join saw acked, so a
-  restart scans only the tail of the topic for records it produced but did not mark.
+- `join_experience`: the outbox: experiences built at match time, `produced` once acked, with
+  the input partition of their generation (the member that owns it drains them).
+- `join_progress`: per input partition and experiences partition, the highest offset the
+  join saw acked, so a new owner scans only the tail of the topic for records its
+  predecessor produced but did not mark.
 """
 
 from __future__ import annotations
@@ -54,13 +56,18 @@ class JoinExperience(SQLModel, table=True):
     experience_id: str = Field(primary_key=True, max_length=128)
     event_id: str = Field(max_length=128)
     generation_id: str = Field(max_length=128)
+    partition: int = Field(default=0)  # the generation's sessions/feedback partition: its owner
     payload: str = Field(sa_column=Column(Text, nullable=False))
     produced: bool = Field(default=False, index=True)
 
 
 class JoinProgress(SQLModel, table=True):
+    """The highest acked offset on experiences partition `partition` of the outbox rows of
+    input partition `source` (one owner at a time produces those, in order)."""
+
     __tablename__ = "join_progress"
 
+    source: int = Field(primary_key=True)
     partition: int = Field(primary_key=True)
     offset: int
 
@@ -177,18 +184,18 @@ def claim_pending(conn: object, event_ids: Collection[str]) -> set[str]:
 
 
 def mark_produced(conn: object, experience_ids: Sequence[str],
-                  offsets: dict[int, int]) -> None:
-    """Mark outbox rows produced and remember the highest acked offset per partition."""
+                  offsets: dict[tuple[int, int], int]) -> None:
+    """Mark outbox rows produced and remember the highest acked offset per (input partition,
+    experiences partition)."""
     for chunk in _chunks(experience_ids):
         conn.execute(update(JoinExperience).where(  # type: ignore[attr-defined]
             JoinExperience.experience_id.in_(IDS)).values(produced=True),  # type: ignore[attr-defined]
             {"ids": chunk})
-    for partition, offset in offsets.items():
-        row = conn.execute(select(JoinProgress.offset).where(  # type: ignore[attr-defined]
-            JoinProgress.partition == partition)).scalar()
+    for (source, partition), offset in offsets.items():
+        where = (JoinProgress.source == source, JoinProgress.partition == partition)
+        row = conn.execute(select(JoinProgress.offset).where(*where)).scalar()  # type: ignore[attr-defined]
         if row is None:
             conn.execute(JoinProgress.__table__.insert(),  # type: ignore[attr-defined]
-                         {"partition": partition, "offset": offset})
+                         {"source": source, "partition": partition, "offset": offset})
         elif offset > row:
-            conn.execute(update(JoinProgress).where(  # type: ignore[attr-defined]
-                JoinProgress.partition == partition).values(offset=offset))
+            conn.execute(update(JoinProgress).where(*where).values(offset=offset))  # type: ignore[attr-defined]

@@ -11,11 +11,17 @@ from __future__ import annotations
 import logging
 import random
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import (
+    ConsumerRebalanceListener,
+    KafkaAdminClient,
+    KafkaConsumer,
+    KafkaProducer,
+    TopicPartition,
+)
 from kafka.admin import NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import TopicAlreadyExistsError
@@ -174,11 +180,25 @@ def decode_all(event_type: type[E], raws: Sequence[bytes]) -> list[E | EventDeco
     return out
 
 
+class _Hooks(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, consumer: EventConsumer) -> None:
+        self.consumer = consumer
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        for hook in self.consumer.on_revoked:
+            hook(set(revoked))
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        for hook in self.consumer.on_assigned:
+            hook(set(assigned))
+
+
 class EventConsumer:
     """A group consumer over several topics, each decoded into its own event type.
 
     `poll()` returns decoded records and sends undecodable ones to the DLQ (waiting for the
     DLQ ack before they count as handled); `commit()` commits what `poll()` returned.
+    `on_assigned` / `on_revoked` hooks run inside `poll()` when the group rebalances.
     """
 
     def __init__(self, config: KafkaConfig, *, group_id: str,
@@ -189,8 +209,10 @@ class EventConsumer:
         self.types = dict(types)
         self.name = name or group_id
         self._dlq = dlq
+        self.on_assigned: list[Callable[[set[TopicPartition]], None]] = []
+        self.on_revoked: list[Callable[[set[TopicPartition]], None]] = []
         self._consumer = KafkaConsumer(
-            *self.types, bootstrap_servers=config.bootstrap, group_id=group_id,
+            bootstrap_servers=config.bootstrap, group_id=group_id,
             enable_auto_commit=False, auto_offset_reset=auto_offset_reset,
             session_timeout_ms=config.session_timeout_ms,
             heartbeat_interval_ms=config.heartbeat_interval_ms,
@@ -199,6 +221,7 @@ class EventConsumer:
             # range: partition p of every topic goes to the same member, which keeps
             # co-partitioned topics (sessions, feedback) together
             partition_assignment_strategy=(RangePartitionAssignor,))
+        self._consumer.subscribe(list(self.types), listener=_Hooks(self))
         self.dead_letters = 0
 
     def poll(self, timeout_ms: int = 1000) -> list[Delivered[Any]]:
@@ -229,6 +252,15 @@ class EventConsumer:
 
     def commit(self) -> None:
         self._consumer.commit()
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
+
+    def pause(self, partitions: set[TopicPartition]) -> None:
+        self._consumer.pause(*partitions)
+
+    def resume(self) -> None:
+        self._consumer.resume(*self._consumer.assignment())
 
     def close(self) -> None:
         self._consumer.close()

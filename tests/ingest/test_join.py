@@ -255,6 +255,21 @@ def test_the_sweep_matches_feedback_whose_session_another_member_stored(
     assert experiences[0].completion_token_ids == session.completion_token_ids
 
 
+def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
+                                                producer: EventProducer) -> None:
+    """Tansu reports a partition's end as its last batch's first offset + 1: the scan that
+    recovery relies on must still see every record of that batch."""
+    from ingest.join import scan_keys
+
+    topic = kafka.topics.experiences
+    keys = [f"scan-{i}-{uuid.uuid4().hex[:6]}" for i in range(1200)]
+    futures = producer.send_many(topic, [(0, k.encode(), b"{}") for k in keys])
+    producer.flush()
+    start = futures[0].get(timeout=10).offset
+    assert scan_keys(kafka, topic, {0: start}) >= set(keys)
+    assert scan_keys(kafka, topic, {0: start}, wanted=set(keys[:10])) >= set(keys[:10])
+
+
 @pytest.mark.parametrize("kind, value, stop, routed", [
     ("accept", None, [], True), ("edit_kept", 0.25, ['"created_at":', "\\n"], False),
     ("thumbs_down", -3.5e-7, ["é ünïcode"], True)])

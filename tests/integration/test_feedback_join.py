@@ -2,9 +2,10 @@
 
 5,000 feedback events over signed HTTP (mostly batches, some single): 10% repeated event ids,
 2% malformed (422, never produced); most feedback arrives before its session; 2% of raw
-records on the topics are undecodable. The join runs as a real `flywheel join` subprocess and
-is SIGKILLed twice mid-stream. Then `experiences` holds exactly one record per unique matched
-event, the DLQ holds every undecodable record with its reason, and nothing else is missing.
+records on the topics are undecodable. The join runs as a real `flywheel join` subprocess (or
+two, in one group) and is SIGKILLed twice mid-stream. Then `experiences` holds exactly one
+record per unique matched event, the DLQ holds every undecodable record with its reason, and
+nothing else is missing.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def topic_size(kafka: KafkaConfig, topic: str) -> int:
 class JoinProcess:
     """`python -m app.cli join` as a subprocess, stopped by the PID it holds."""
 
-    def __init__(self, settings: Settings, data_dir: Path, group: str) -> None:
+    def __init__(self, settings: Settings, data_dir: Path, group: str, database: Path) -> None:
         topics = settings.topics
         self.env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
                     "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_JOIN__GROUP_ID": group,
+                    "FLYWHEEL_JOIN__DATABASE_URL": f"sqlite:///{database}",
                     **{f"FLYWHEEL_TOPICS__{name.upper()}": getattr(topics, name)
                        for name in ("sessions", "feedback", "experiences", "dlq")}}
         self.log = data_dir / "join.log"
@@ -106,7 +108,11 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0,
         time.sleep(0.2)
 
 
-def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("members", [1, 2])
+def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path,
+                                        members: int) -> None:
+    """With two members (one group, one SQLite state) each SIGKILL hits one of them: its
+    partitions move to the other and back while both are mid-stream."""
     settings = settings.model_copy(update={"feedback_secrets": [SecretStr(SECRET)],
                                            "feedback_batch_max": 500})
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
@@ -177,7 +183,9 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path) -> N
 
         # Feedback first, then the join, then sessions, with two SIGKILLs mid-stream.
         send_feedback(thirds[0])
-        join = JoinProcess(settings, tmp_path / "join", f"join-{uuid.uuid4().hex[:8]}")
+        group = f"join-{uuid.uuid4().hex[:8]}"
+        joins = [JoinProcess(settings, tmp_path / f"join-{i}", group, tmp_path / "join.db")
+                 for i in range(members)]
         try:
             for raw in bad_raw[:50] + bad_sessions[:5]:
                 producer.send_raw(kafka.topics.feedback if raw not in bad_sessions
@@ -185,8 +193,8 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path) -> N
             produce_sessions(synthetic[:700])
             send_feedback(thirds[1])
             wait_for(lambda: topic_size(kafka, kafka.topics.experiences) > 300, "experiences")
-            join.kill()
-            join.start()
+            joins[0].kill()
+            joins[0].start()
             produce_sessions(synthetic[700:])
             for raw in bad_raw[50:]:
                 producer.send_raw(kafka.topics.feedback, "g", raw)
@@ -196,9 +204,9 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path) -> N
             before = topic_size(kafka, kafka.topics.experiences)
             wait_for(lambda: topic_size(kafka, kafka.topics.experiences) > before + 200,
                      "experiences after the first restart")
-            join.kill()
+            joins[-1].kill()
             send_feedback(thirds[2])
-            join.start()
+            joins[-1].start()
 
             matched = {e["event_id"]: e for e in events if e["generation_id"] not in orphans}
             # Tansu's end offsets can trail the last record of a batch: count what is there.
@@ -208,7 +216,7 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path) -> N
                      detail=lambda: missing_detail(kafka, matched, real))
             time.sleep(1.0)  # a duplicate would land now if the join were to make one
         finally:
-            log = join.stop()
+            log = "".join(join.stop() for join in joins)
             producer.close()
         experiences = [ExperienceReady.model_validate_json(v)
                        for _, v in read_raw(kafka, kafka.topics.experiences)]
