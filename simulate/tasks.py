@@ -177,12 +177,16 @@ def _builtin_specs() -> list[tuple[str, str, str, str]]:
 
 
 def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Parameters a template never takes as a task: integers above its range (3-5 for the
-    indices 0-2), upper-case letters for lower-case ones."""
+    """Parameters a template never takes as a task. Integers: the next values above its range
+    and three-digit ones that end in its range's values (101-130 for 1-30), so that copying
+    the digits one by one, not a tens digit, is what fits them (3-5 for the indices 0-2).
+    Characters: upper-case letters and digits for its lower-case letters."""
     if isinstance(params[0], str):
-        return tuple(p.upper() for p in params)
+        return tuple(p.upper() for p in params) + tuple("0123456789")
     top = max(params)
-    return tuple(range(top + 1, top + (4 if top < 3 else 60)))
+    if top < 3:
+        return tuple(range(top + 1, top + 4))
+    return tuple(range(top + 1, top + 60)) + tuple(range(101, 101 + top))
 
 
 def _practice_specs() -> list[tuple[str, str, str, str]]:

@@ -135,6 +135,12 @@ def corpus_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) 
     return train + (source.practice_tasks() if cfg.midtrain_practice else [])
 
 
+def rl_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> list[Task]:
+    """GRPO's task pool: the train split, plus the source's practice tasks if asked (values
+    the model has not memorized, so a reward needs the parameter copied from the docstring)."""
+    return train + (source.practice_tasks() if cfg.grpo_practice else [])
+
+
 def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
                 steps: int | None = None) -> MidTrainResult:
     """`midtrain` with the settings' batch, rate and schedule."""

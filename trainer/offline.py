@@ -302,7 +302,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
     engines are copies of the policy's model, so they inherit the switch)."""
     from simulate.tasks import build_task_source
-    from trainer.midtrain import corpus_tasks, midtrain_on
+    from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
 
     start = time.monotonic()
     torch.set_num_threads(cfg.torch_threads)
@@ -322,7 +322,8 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     try:
         before = evaluate(eval_engine, cfg, held_out, cache)
         midtrain_s = time.monotonic() - start
-        run = run_grpo(policy, cfg, train, held_out, cache=cache, eval_engine=eval_engine,
+        run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
+                       eval_engine=eval_engine,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress)
         if not run.evals or run.evals[-1][0] != run.steps:
             load_weights(eval_engine, policy.version, policy.state_dict())

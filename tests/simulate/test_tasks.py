@@ -69,7 +69,8 @@ def test_practice_tasks_share_templates_but_no_task_or_value(builtin: list[Task]
     assert len(practice) >= 500
     assert not {t.task_id for t in practice} & {t.task_id for t in builtin}
     names = {t.entry_point for t in practice}
-    assert {"add_31", "count_char_A", "item_3"} <= names  # above the range; upper case
+    # above the range, three digits ending in its values; upper case and digits; indices
+    assert {"add_31", "add_112", "count_char_A", "count_char_7", "item_3"} <= names
     assert "add_30" not in names and "count_char_a" not in names
     assert all(passes_in_process(t, t.canonical_solution or "") for t in practice[::7])
     assert JsonlTaskSource(0.2, path=Path("unused.jsonl")).practice_tasks() == []

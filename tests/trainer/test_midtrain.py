@@ -44,7 +44,7 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
 def test_corpus_adds_practice_tasks_only_when_asked() -> None:
     from simulate.tasks import BuiltinTasksConfig, build_task_source
     from trainer.bootstrap_config import BootstrapSettings
-    from trainer.midtrain import corpus_tasks
+    from trainer.midtrain import corpus_tasks, rl_tasks
 
     source = build_task_source(BuiltinTasksConfig())
     train = source.split("train")
@@ -53,6 +53,9 @@ def test_corpus_adds_practice_tasks_only_when_asked() -> None:
     assert len(with_practice) == len(train) + len(source.practice_tasks())
     assert not {t.task_id for t in with_practice} & held_out
     assert corpus_tasks(BootstrapSettings(midtrain_practice=False), source, train) == train
+    pool = rl_tasks(BootstrapSettings(), source, train)
+    assert len(pool) == len(with_practice) and not {t.task_id for t in pool} & held_out
+    assert rl_tasks(BootstrapSettings(grpo_practice=False), source, train) == train
 
 
 def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
