@@ -363,8 +363,8 @@ class Join:
         generation; only while a partition moves between members can each store its half
         before seeing the other's, and this sweep (by the partition's owner) closes that gap."""
         with self.db.begin() as conn:
-            found = [(f, s) for f, s in pending_with_sessions(conn)
-                     if self._partition_of(f.generation_id) in self._owned]
+            found = pending_with_sessions(
+                conn, lambda generation_id: self._partition_of(generation_id) in self._owned)
             if not found:
                 return
             claimed = claim_pending(conn, [f.event_id for f, _ in found])

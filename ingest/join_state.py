@@ -14,7 +14,7 @@ Four tables, owned by `ingest.join`:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -148,13 +148,16 @@ def pending_feedback(conn: object, generation_ids: Collection[str]) -> list[Feed
     return _decoded(FeedbackReceived, payloads)
 
 
-def pending_with_sessions(conn: object) -> list[tuple[FeedbackReceived, GenerationLogged]]:
-    """Pending feedback whose session is stored after all: what two join members can leave
-    behind when a partition moves between them mid-poll (each stored its half before seeing
-    the other's). The sweep matches them."""
-    rows = conn.execute(select(JoinFeedback.payload, JoinSession.payload).join(  # type: ignore[attr-defined]
-        JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)  # type: ignore[arg-type]
-        .where(JoinFeedback.state == PENDING)).all()
+def pending_with_sessions(conn: object, keep: Callable[[str], bool]
+                          ) -> list[tuple[FeedbackReceived, GenerationLogged]]:
+    """Pending feedback whose session is stored after all, for the generation ids `keep`
+    accepts (decoded only for those): what two join members can leave behind when a partition
+    moves between them mid-poll (each stored its half before seeing the other's). The sweep
+    matches them."""
+    rows = [(f, s) for g, f, s in conn.execute(  # type: ignore[attr-defined]
+        select(JoinFeedback.generation_id, JoinFeedback.payload, JoinSession.payload).join(
+            JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)  # type: ignore[arg-type]
+        .where(JoinFeedback.state == PENDING)) if keep(g)]
     feedback = _decoded(FeedbackReceived, [f for f, _ in rows])
     sessions = _decoded(GenerationLogged, [s for _, s in rows])
     return list(zip(feedback, sessions, strict=True))

@@ -253,9 +253,6 @@ class EventConsumer:
     def commit(self) -> None:
         self._consumer.commit()
 
-    def assignment(self) -> set[TopicPartition]:
-        return set(self._consumer.assignment())
-
     def pause(self, partitions: set[TopicPartition]) -> None:
         self._consumer.pause(*partitions)
 

@@ -118,8 +118,9 @@ class MidTrainedStart:
 
 def midtrained_start(cfg: BootstrapSettings, model_dir: Path, *,
                      steps: int | None = None) -> MidTrainedStart:
-    """Split `cfg.tasks`, mid-train the model in `model_dir` on the train split (`steps`,
-    default `cfg.midtrain_steps`) and keep a copy of the weights."""
+    """Split `cfg.tasks`, mid-train the model in `model_dir` on the corpus of the train split
+    (`corpus_tasks`: with the practice tasks if asked) for `steps` (default
+    `cfg.midtrain_steps`) and keep a copy of the weights."""
     from simulate.tasks import build_task_source
 
     source = build_task_source(cfg.tasks)
