@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
@@ -51,18 +52,25 @@ from ingest.join_state import (
     EXPIRED,
     MATCHED,
     PENDING,
-    JoinExperience,
     JoinFeedback,
     JoinProgress,
     JoinSession,
+    OutboxRow,
+    add_to_outbox,
     claim_pending,
+    claim_waiting,
+    in_outbox,
     insert_new,
+    last_seqs,
     mark_produced,
     open_state,
-    pending_feedback,
     pending_with_sessions,
-    set_matched,
+    prune_outbox,
+    sessions_matched,
+    stale_pending,
     stored_sessions,
+    unproduced,
+    writing,
 )
 from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics, partition_for
 from ingest.rewards import reward_for
@@ -117,15 +125,21 @@ def experience_json(session: GenerationLogged, members: bytes, feedback: Feedbac
     """`encode(build_experience(session, feedback, reward))` up to member order, from the
     session's pre-serialized members and `joined_at_member(...)`: only the feedback's few
     fields are serialized here. SPLICED_FIELDS must stay all of ExperienceReady's fields."""
-    head = {"event": "ExperienceReady", "schema_version": SCHEMA_VERSION,
-            "experience_id": experience_id_for(feedback.event_id),
-            "generation_id": session.generation_id, "feedback_event_ids": [feedback.event_id],
-            "feedback_kind": feedback.kind, "feedback_value": feedback.value, "reward": reward}
-    try:
-        text = json.dumps(head, separators=(",", ":"), allow_nan=False)
-    except ValueError:  # inf/nan: pydantic's own rules for them
-        return encode(build_experience(session, feedback, reward))
-    return text[:-1].encode() + b"," + members + joined + b"}"
+    value = feedback.value
+    if not math.isfinite(reward) or (value is not None and not math.isfinite(value)):
+        return encode(build_experience(session, feedback, reward))  # pydantic's rules for them
+    string = _json_string
+    head = (f'{{"event":"ExperienceReady","schema_version":{SCHEMA_VERSION},'
+            f'"experience_id":{string(experience_id_for(feedback.event_id))},'
+            f'"generation_id":{string(session.generation_id)},'
+            f'"feedback_event_ids":[{string(feedback.event_id)}],'
+            f'"feedback_kind":{string(feedback.kind)},'
+            f'"feedback_value":{"null" if value is None else float.__repr__(value)},'
+            f'"reward":{float.__repr__(float(reward))},')
+    return head.encode() + members + joined + b"}"
+
+
+_json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C: '"…"'
 
 
 SPLICED_FIELDS = {"event", "schema_version", "experience_id", "generation_id",
@@ -135,10 +149,30 @@ SPLICED_FIELDS = {"event", "schema_version", "experience_id", "generation_id",
 
 @dataclass
 class _Match:
-    """A session as the join uses it: decoded once, its experience members serialized once."""
+    """A session as the join uses it: decoded once, its experience members serialized once,
+    and whether its stored row is marked matched already (so it is written once)."""
 
     session: GenerationLogged
     members: bytes
+    matched: bool = False
+
+
+@dataclass
+class _Outgoing:
+    """An outbox row in memory. Its experience JSON is built from `parts` (match, feedback,
+    reward, joined_at member) when it is produced, outside the SQL transaction that stored
+    it. `produce` is False for one a predecessor produced (found in the topic's tail): it is
+    not sent again, only marked with the rest."""
+
+    source: int
+    seq: int
+    experience_id: str
+    parts: tuple[_Match, FeedbackReceived, float, bytes]
+    produce: bool = True
+
+    def payload(self) -> bytes:
+        match, feedback, reward, joined = self.parts
+        return experience_json(match.session, match.members, feedback, reward, joined)
 
 
 class RecentSessions:
@@ -180,21 +214,20 @@ class Join:
             types={topics.sessions: GenerationLogged, topics.feedback: FeedbackReceived},
             max_poll_records=settings.max_poll_records)
         self._next_sweep = 0.0
-        self._recovered = False
-        self._outbox_loaded = False  # the first drain reads what a predecessor left unproduced
-        # stored by this process, not produced yet: (experience id, input partition, JSON)
-        self._outbox: list[tuple[str, int, bytes]] = []
+        self._loaded = False  # the outbox holds what a predecessor left (see `load_outbox`)
+        self._outbox: list[_Outgoing] = []  # stored, not produced yet, by seq
+        self._seqs: dict[int, int] = {}  # the last outbox seq used, per owned source
         self._recent = RecentSessions(settings.session_cache)
         self._owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
         self.consumer.on_assigned.append(self._assigned)
 
     def _assigned(self, partitions: set[TopicPartition]) -> None:
         """A rebalance gave this member `partitions`: it now owns their generations' outbox
-        rows, including any a previous owner left unproduced: the step recovers those it did
-        produce, and the next drain reads the rest."""
+        rows, including any a previous owner left unproduced (the step loads them)."""
         self._owned = {tp.partition for tp in partitions
                        if tp.topic == self.kafka.topics.feedback}
-        self._recovered = self._outbox_loaded = False
+        self._loaded = False
+        self._outbox = []
 
     def _partition_of(self, generation_id: str) -> int:
         """The input partition of a generation (sessions and feedback are co-partitioned)."""
@@ -212,8 +245,8 @@ class Join:
     def step(self) -> int:
         """One poll: store, match, produce, commit; returns the records it handled."""
         records = self.consumer.poll(timeout_ms=self.settings.poll_timeout_ms)
-        if not self._recovered:  # after a poll that (re)joined the group: the previous
-            self.recover()        # owner's in-flight produce requests have landed
+        if not self._loaded:  # after a poll that (re)joined the group: the previous
+            self.load_outbox()  # owner's in-flight produce requests have landed
         if records:
             self.absorb(records)
         self.drain()
@@ -221,6 +254,8 @@ class Join:
             self.consumer.commit()
         if self.clock() >= self._next_sweep:
             self.rematch()
+            with writing(self.db) as conn:
+                prune_outbox(conn, self._owned)
             self.expire()
             self._next_sweep = self.clock() + self.settings.sweep_every_s
         self.stats.dead_letters = self.consumer.dead_letters
@@ -235,7 +270,7 @@ class Join:
                     if isinstance(d.event, GenerationLogged)}
         feedback = {d.event.event_id: d for d in records
                     if isinstance(d.event, FeedbackReceived)}
-        with self.db.begin() as conn:
+        with writing(self.db) as conn:
             known = existing_ids(conn, JoinFeedback.event_id, feedback)
             fresh = [d.event for e, d in feedback.items() if e not in known]
             self.stats.duplicates += sum(isinstance(d.event, FeedbackReceived)
@@ -244,10 +279,10 @@ class Join:
                        for g, d in sessions.items()}
             stored = self._stored_matches(conn, {f.generation_id for f in fresh} - set(sessions))
             matches.update(stored)
-            waiting = pending_feedback(conn, set(sessions))
+            waiting = claim_waiting(conn, set(sessions))
             pairs = [(f, matches[f.generation_id]) for f in fresh
                      if f.generation_id in matches]
-            pairs += [(f, matches[f.generation_id]) for f in waiting]
+            pairs += [(f, matches[f.generation_id]) for f, _ in waiting]
             matched_generations = {f.generation_id for f, _ in pairs}
             insert_new(self.db, JoinSession, [
                 {"generation_id": g, "payload": d.raw.decode(), "first_seen": now,
@@ -260,117 +295,131 @@ class Join:
                  "first_seen": now,
                  "state": MATCHED if f.generation_id in matches else PENDING}
                 for f in fresh], conn)
-            set_matched(conn, [f.event_id for f in waiting], set(stored) & matched_generations)
+            newly = [g for g in matched_generations if not matches[g].matched]
+            sessions_matched(conn, set(newly) - set(sessions))
+            for g in newly:
+                matches[g].matched = True
             self.stats.sessions += len(sessions)
             self.stats.feedback += len(fresh)
-            self._queue(conn, pairs)
+            raws = {e: d.raw for e, d in feedback.items()}
+            raws.update((f.event_id, raw.encode()) for f, raw in waiting)
+            self._queue(conn, pairs, raws)
         self._recent.add({g: matches[g] for g in sessions})
 
     def _stored_matches(self, conn: Connection, generation_ids: set[str]) -> dict[str, _Match]:
         """Stored sessions among `generation_ids`: recent ones from memory, others from SQL."""
         found = {g: m for g in generation_ids if (m := self._recent.get(g)) is not None}
         loaded = stored_sessions(conn, generation_ids - set(found))
-        fetched = {g: _Match(s, session_members(s)) for g, s in loaded.items()}
+        fetched = {g: _Match(s, session_members(s), matched)
+                   for g, (s, matched) in loaded.items()}
         self._recent.add(fetched)
         return {**found, **fetched}
 
-    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, _Match]]) -> None:
-        """Build the experiences of `pairs` into the outbox (this transaction) and memory."""
-        rewards, joined = self.settings.rewards, joined_at_member(utcnow())
-        rows = [(experience_id_for(f.event_id), f.event_id, m.session.generation_id,
-                 experience_json(m.session, m.members, f, reward_for(f, rewards), joined))
-                for f, m in pairs]
-        sources = [self._partition_of(g) for _, _, g, _ in rows]
-        insert_new(self.db, JoinExperience, [
-            {"experience_id": x, "event_id": e, "generation_id": g, "payload": p.decode(),
-             "partition": source, "produced": False}
-            for (x, e, g, p), source in zip(rows, sources, strict=True)], conn)
-        self._outbox += [(x, source, p) for (x, _, _, p), source in zip(rows, sources,
-                                                                         strict=True)]
+    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, _Match]],
+               raws: dict[str, bytes] | None = None) -> None:
+        """Store the matches of `pairs` in the outbox (this transaction) and queue their
+        experiences in memory. `raws`: the feedback JSON as received, by event id, where the
+        caller has it."""
+        rewards, now = self.settings.rewards, utcnow()
+        joined, stamp, raws = joined_at_member(now), now.timestamp(), raws or {}
+        stored, outgoing = [], []
+        for f, m in pairs:
+            source = self._partition_of(m.session.generation_id)
+            if source not in self._seqs:  # a record outside this member's partitions
+                self._seqs.update(last_seqs(conn, [source]))
+            seq = self._seqs[source] = self._seqs[source] + 1
+            reward, experience_id = reward_for(f, rewards), experience_id_for(f.event_id)
+            raw = raws.get(f.event_id)
+            stored.append(OutboxRow(source, seq, experience_id, m.session.generation_id,
+                                    raw.decode() if raw is not None else encode(f).decode(),
+                                    reward, stamp))
+            outgoing.append(_Outgoing(source, seq, experience_id, (m, f, reward, joined)))
+        add_to_outbox(conn, stored)
+        self._outbox += outgoing
 
     def drain(self) -> None:
         """Produce every unproduced experience, await the acks, then mark them produced."""
-        if not self._outbox_loaded:  # what a predecessor (or this one, so far) left behind
-            with self.db.connect() as conn:
-                self._outbox = [(x, source, p.encode()) for x, source, p in conn.execute(
-                    select(JoinExperience.experience_id, JoinExperience.partition,
-                           JoinExperience.payload)
-                    .where(JoinExperience.produced == False,  # noqa: E712
-                           JoinExperience.partition.in_(sorted(self._owned))))]  # type: ignore[attr-defined]
-            self._outbox_loaded = True
         rows, self._outbox = self._outbox, []
         try:
             for start in range(0, len(rows), _PRODUCE_CHUNK):
                 self._produce(rows[start:start + _PRODUCE_CHUNK])
         except BaseException:
-            self._outbox_loaded = False  # re-read from SQL: nothing stored is forgotten
+            self._loaded = False  # reload from SQL: nothing stored is forgotten
             raise
 
-    def _produce(self, rows: list[tuple[str, int, bytes]]) -> None:
+    def _produce(self, rows: list[_Outgoing]) -> None:
         producer, topic = self.producer, self.kafka.topics.experiences
         partitions = producer.partitions(topic)
+        sending = [row for row in rows if row.produce]
         records = []
-        for experience_id, _, payload in rows:
-            key = experience_id.encode()
-            records.append((partition_for(key, partitions), key, payload))
+        for row in sending:
+            key = row.experience_id.encode()
+            records.append((partition_for(key, partitions), key, row.payload()))
         futures = producer.send_many(topic, records)
-        last = {(source, partition): future for (_, source, _), (partition, _, _), future
-                in zip(rows, records, futures, strict=True)}
+        last = {(row.source, partition): future for row, (partition, _, _), future
+                in zip(sending, records, futures, strict=True)}
         timeout_s = self.kafka.delivery_timeout_ms / 1000
-        producer.flush(timeout_s)
+        if futures:
+            producer.flush(timeout_s)
         for future in futures:
             if not future.is_done or future.failed():
                 future.get(timeout=timeout_s)  # raises the broker's error
         offsets = {p: f.get(timeout=timeout_s).offset for p, f in last.items()}
-        with self.db.begin() as conn:
-            mark_produced(conn, [x for x, _, _ in rows], offsets)
-        self.stats.experiences += len(rows)
+        marks: dict[int, int] = {}
+        for row in rows:  # by seq within a source: the last one is its highest
+            marks[row.source] = row.seq
+        with writing(self.db) as conn:
+            mark_produced(conn, marks, offsets)
+        self.stats.experiences += len(sending)
 
-    def recover(self) -> None:
-        """Mark the outbox rows of this member's partitions that a killed predecessor produced
-        but did not mark: scan the experiences topic from the last offsets acked for them."""
-        self._recovered = True
+    def load_outbox(self) -> None:
+        """Take on the outbox rows of this member's partitions that are not marked produced:
+        those a killed predecessor (or this member, before an error) left. Some it may have
+        produced without marking: a scan of the experiences topic from the last offsets acked
+        for those partitions finds them, and they are marked, not produced again."""
+        self._loaded = True
         owned = sorted(self._owned)
         with self.db.connect() as conn:
-            pending = dict(conn.execute(
-                select(JoinExperience.experience_id, JoinExperience.partition)
-                .where(JoinExperience.produced == False,  # noqa: E712
-                       JoinExperience.partition.in_(owned))).tuples().all())  # type: ignore[attr-defined]
+            self._seqs = last_seqs(conn, owned)
+            rows = [_Outgoing(row.source, row.seq, row.experience_id, (
+                        _Match(session, session_members(session), matched=True), f, row.reward,
+                        joined_at_member(datetime.fromtimestamp(row.joined_at, UTC))))
+                    for row, f, session in unproduced(conn, owned)]
             progress = conn.execute(select(JoinProgress.source, JoinProgress.partition,
                                            JoinProgress.offset)
                                     .where(JoinProgress.source.in_(owned))).tuples().all()  # type: ignore[attr-defined]
-        if not pending:
+        self._outbox = rows
+        if not rows:
             return
         # a source's unmarked rows were produced after its marked ones: from the earliest
         # acked offset among the sources with rows pending (0 where one has none yet)
-        sources = set(pending.values())
+        sources = {row.source for row in rows}
         acked: dict[int, dict[int, int]] = {}
         for source, partition, offset in progress:
             acked.setdefault(partition, {})[source] = offset
         count = self.producer.partitions(self.kafka.topics.experiences)
         starts = {q: min(acked.get(q, {}).get(p, -1) + 1 for p in sources) for q in range(count)}
-        seen = scan_keys(self.kafka, self.kafka.topics.experiences, starts, set(pending))
-        found = sorted(pending.keys() & seen)
-        if found:
-            with self.db.begin() as conn:
-                mark_produced(conn, found, {})
-            log.warning("join: %d experiences were produced before a crash; not again",
-                        len(found))
+        seen = scan_keys(self.kafka, self.kafka.topics.experiences, starts,
+                         {row.experience_id for row in rows})
+        for row in rows:
+            row.produce = row.experience_id not in seen
+        if found := sum(not row.produce for row in rows):
+            log.warning("join: %d experiences were produced before a crash; not again", found)
 
     def rematch(self) -> None:
         """Match pending feedback whose session is stored after all. Sessions and feedback are
         co-partitioned (`ingest.log.partition_for`), so one member sees both halves of a
         generation; only while a partition moves between members can each store its half
         before seeing the other's, and this sweep (by the partition's owner) closes that gap."""
-        with self.db.begin() as conn:
+        with writing(self.db) as conn:
             found = pending_with_sessions(
                 conn, lambda generation_id: self._partition_of(generation_id) in self._owned)
             if not found:
                 return
             claimed = claim_pending(conn, [f.event_id for f, _ in found])
-            pairs = [(f, _Match(s, session_members(s))) for f, s in found
+            pairs = [(f, _Match(s, session_members(s), matched=True)) for f, s in found
                      if f.event_id in claimed]
-            set_matched(conn, [], {m.session.generation_id for _, m in pairs})
+            sessions_matched(conn, {m.session.generation_id for _, m in pairs})
             self._queue(conn, pairs)
         self.stats.rematched += len(pairs)
         if pairs:
@@ -384,12 +433,13 @@ class Join:
         window = f"{self.settings.expire_after_s:.0f}s"
         topics = self.kafka.topics
         with self.db.connect() as conn:
-            stale_feedback = conn.execute(
-                select(JoinFeedback.event_id, JoinFeedback.generation_id, JoinFeedback.payload)
-                .where(JoinFeedback.state == PENDING, JoinFeedback.first_seen < cutoff)).all()
+            stale_feedback = stale_pending(conn, cutoff)
             stale_sessions = conn.execute(
                 select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
                 .where(JoinSession.first_seen < cutoff)).all()
+            # a session stays while an experience of it waits to be produced (and rebuilt)
+            waiting = in_outbox(conn, [g for g, _, _ in stale_sessions])
+            stale_sessions = [row for row in stale_sessions if row[0] not in waiting]
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
         letters += [(topics.sessions, g, p, f"unmatched: no feedback for generation {g} "
@@ -399,7 +449,7 @@ class Join:
             for topic, g, p, reason in letters]
         for future in futures:
             future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
-        with self.db.begin() as conn:
+        with writing(self.db) as conn:
             for start in range(0, len(stale_feedback), 5000):
                 ids = [e for e, _, _ in stale_feedback[start:start + 5000]]
                 conn.execute(update(JoinFeedback).where(JoinFeedback.event_id.in_(ids))

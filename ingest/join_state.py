@@ -1,24 +1,48 @@
 """The join's memory in SQL (SQLite under the data dir by default, PostgreSQL by URL).
 
-Four tables, owned by `ingest.join`:
+Five tables, owned by `ingest.join`:
 - `join_session`: sessions seen (the GenerationLogged JSON), until they expire.
 - `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
   pending (no session yet; the FeedbackReceived JSON kept for the match), matched, or
-  expired.
-- `join_experience`: the outbox: experiences built at match time, `produced` once acked, with
-  the input partition of their generation (the member that owns it drains them).
-- `join_progress`: per input partition and experiences partition, the highest offset the
-  join saw acked, so a new owner scans only the tail of the topic for records its
-  predecessor produced but did not mark.
+  expired. Only pending rows are indexed beyond the key (partial indexes): the ledger grows
+  with every event, the lookups are all of pending ones.
+- `join_outbox`: the experiences matched and not yet produced, keyed by the input partition
+  (`source`) of their generation and a sequence number within it: the member that owns the
+  partition numbers its rows (one writer per source, so no shared counter) and produces them
+  in order. A row holds the feedback and the reward, not the experience: that is rebuilt
+  from the stored session when needed (after a crash), so a session judged many times is
+  stored once, whatever its length.
+- `join_produced`: per source, the `seq` up to which its outbox rows are produced (one write
+  per produce round instead of one per row); the sweep deletes the rows below it, and keeps
+  the sessions of the rows above it from expiring.
+- `join_progress`: per source and experiences partition, the highest offset the join saw
+  acked, so a new owner scans only the tail of the topic for records its predecessor
+  produced but did not mark.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+import fcntl
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, Text, event, select, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    Index,
+    Text,
+    delete,
+    event,
+    func,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
@@ -29,6 +53,7 @@ from ingest.sql_ids import chunks as _chunks
 
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
 E = TypeVar("E", bound=BaseModel)
+_IS_PENDING = text("state = 'pending'")
 
 
 class JoinSession(SQLModel, table=True):
@@ -42,23 +67,43 @@ class JoinSession(SQLModel, table=True):
 
 class JoinFeedback(SQLModel, table=True):
     __tablename__ = "join_feedback"
+    __table_args__ = (
+        Index("ix_join_feedback_pending_generation", "generation_id",
+              sqlite_where=_IS_PENDING, postgresql_where=_IS_PENDING),
+        Index("ix_join_feedback_pending_since", "first_seen",
+              sqlite_where=_IS_PENDING, postgresql_where=_IS_PENDING),
+    )
 
     event_id: str = Field(primary_key=True, max_length=128)
-    generation_id: str = Field(index=True, max_length=128)
-    payload: str = Field(sa_column=Column(Text, nullable=False))
-    first_seen: float = Field(index=True)
-    state: str = Field(default=PENDING, index=True, max_length=16)
-
-
-class JoinExperience(SQLModel, table=True):
-    __tablename__ = "join_experience"
-
-    experience_id: str = Field(primary_key=True, max_length=128)
-    event_id: str = Field(max_length=128)
     generation_id: str = Field(max_length=128)
-    partition: int = Field(default=0)  # the generation's sessions/feedback partition: its owner
     payload: str = Field(sa_column=Column(Text, nullable=False))
-    produced: bool = Field(default=False, index=True)
+    first_seen: float
+    state: str = Field(default=PENDING, max_length=16)
+
+
+class JoinOutbox(SQLModel, table=True):
+    """A match whose experience is not produced yet: its session is `generation_id`'s row of
+    join_session. A stale member that kept writing after its partition moved collides on
+    the key and fails."""
+
+    __tablename__ = "join_outbox"
+
+    source: int = Field(primary_key=True)  # the generation's input partition: its owner's
+    seq: int = Field(sa_column=Column(BigInteger, primary_key=True, autoincrement=False))
+    experience_id: str = Field(max_length=128)
+    generation_id: str = Field(max_length=128)
+    feedback: str = Field(sa_column=Column(Text, nullable=False))  # FeedbackReceived JSON
+    reward: float
+    joined_at: float  # unix seconds
+
+
+class JoinProduced(SQLModel, table=True):
+    """Outbox rows of input partition `source` up to `seq` are produced."""
+
+    __tablename__ = "join_produced"
+
+    source: int = Field(primary_key=True)
+    seq: int
 
 
 class JoinProgress(SQLModel, table=True):
@@ -73,7 +118,8 @@ class JoinProgress(SQLModel, table=True):
 
 
 TABLES = [JoinSession.__table__, JoinFeedback.__table__,  # type: ignore[attr-defined]
-          JoinExperience.__table__, JoinProgress.__table__]  # type: ignore[attr-defined]
+          JoinOutbox.__table__, JoinProduced.__table__,  # type: ignore[attr-defined]
+          JoinProgress.__table__]  # type: ignore[attr-defined]
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -89,6 +135,44 @@ def _begin_immediate(conn: Any) -> None:
     """Take SQLite's write lock when a transaction begins: several join processes on one file
     then queue for it (busy_timeout) instead of failing when a read turns into a write."""
     conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class _WriterLock:
+    """Queues this process's SQLite write transactions behind other processes' in the kernel
+    (flock on `<db>.writer`). BEGIN IMMEDIATE alone would also serialize them, but a waiter
+    there polls: SQLite's busy handler sleeps in steps growing to 100 ms, so two members spend
+    much of their time asleep while the lock is free. (One lock per process: its threads
+    share it, and SQLite's own lock still orders them.)"""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+_WRITERS: dict[str, _WriterLock] = {}
+
+
+@contextmanager
+def writing(engine: Engine) -> Iterator[Connection]:
+    """`engine.begin()` for a transaction that writes; on a SQLite file, after waiting for
+    the other processes' (`_WriterLock`)."""
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not database or database == ":memory:":
+        with engine.begin() as conn:
+            yield conn
+        return
+    lock = _WRITERS.get(database)
+    if lock is None:
+        lock = _WRITERS[database] = _WriterLock(Path(f"{database}.writer"))
+    with lock.held(), engine.begin() as conn:
+        yield conn
 
 
 def open_state(url: str) -> Engine:
@@ -124,28 +208,33 @@ def _decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
 
 
 def stored_sessions(conn: object, generation_ids: Collection[str]
-                    ) -> dict[str, GenerationLogged]:
-    """The stored sessions among `generation_ids`, decoded."""
+                    ) -> dict[str, tuple[GenerationLogged, bool]]:
+    """The stored sessions among `generation_ids`, decoded, each with its matched flag."""
     ids: list[str] = []
     payloads: list[str] = []
+    matched: list[bool] = []
     for chunk in _chunks(generation_ids):
-        for generation_id, payload in conn.execute(  # type: ignore[attr-defined]
-                select(JoinSession.generation_id, JoinSession.payload)
+        for generation_id, payload, flag in conn.execute(  # type: ignore[attr-defined]
+                select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
                 .where(JoinSession.generation_id.in_(IDS)),  # type: ignore[attr-defined]
                 {"ids": chunk}):
             ids.append(generation_id)
             payloads.append(payload)
-    return dict(zip(ids, _decoded(GenerationLogged, payloads), strict=True))
+            matched.append(bool(flag))
+    return dict(zip(ids, zip(_decoded(GenerationLogged, payloads), matched, strict=True),
+                    strict=True))
 
 
-def pending_feedback(conn: object, generation_ids: Collection[str]) -> list[FeedbackReceived]:
-    """Stored feedback still waiting for one of `generation_ids`, decoded."""
+def claim_waiting(conn: object, generation_ids: Collection[str]
+                  ) -> list[tuple[FeedbackReceived, str]]:
+    """Mark the stored feedback still waiting for one of `generation_ids` matched, and return
+    it: decoded, and as stored."""
     payloads: list[str] = []
     for chunk in _chunks(generation_ids):
-        payloads += conn.execute(select(JoinFeedback.payload).where(  # type: ignore[attr-defined]
-            JoinFeedback.state == PENDING,
-            JoinFeedback.generation_id.in_(IDS)), {"ids": chunk}).scalars()  # type: ignore[attr-defined]
-    return _decoded(FeedbackReceived, payloads)
+        payloads += conn.execute(  # type: ignore[attr-defined]
+            update(JoinFeedback).where(_IS_PENDING, JoinFeedback.generation_id.in_(IDS))  # type: ignore[attr-defined]
+            .values(state=MATCHED).returning(JoinFeedback.payload), {"ids": chunk}).scalars()
+    return list(zip(_decoded(FeedbackReceived, payloads), payloads, strict=True))
 
 
 def pending_with_sessions(conn: object, keep: Callable[[str], bool]
@@ -157,18 +246,21 @@ def pending_with_sessions(conn: object, keep: Callable[[str], bool]
     rows = [(f, s) for g, f, s in conn.execute(  # type: ignore[attr-defined]
         select(JoinFeedback.generation_id, JoinFeedback.payload, JoinSession.payload).join(
             JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)  # type: ignore[arg-type]
-        .where(JoinFeedback.state == PENDING)) if keep(g)]
+        .where(_IS_PENDING)) if keep(g)]
     feedback = _decoded(FeedbackReceived, [f for f, _ in rows])
     sessions = _decoded(GenerationLogged, [s for _, s in rows])
     return list(zip(feedback, sessions, strict=True))
 
 
-def set_matched(conn: object, event_ids: Collection[str],
-                generation_ids: Collection[str]) -> None:
-    """Stored feedback `event_ids` and stored sessions `generation_ids` found their match."""
-    for chunk in _chunks(event_ids):
-        conn.execute(update(JoinFeedback).where(  # type: ignore[attr-defined]
-            JoinFeedback.event_id.in_(IDS)).values(state=MATCHED), {"ids": chunk})  # type: ignore[attr-defined]
+def stale_pending(conn: object, cutoff: float) -> list[tuple[str, str, str]]:
+    """(event id, generation id, payload) of feedback pending since before `cutoff`."""
+    return conn.execute(  # type: ignore[attr-defined]
+        select(JoinFeedback.event_id, JoinFeedback.generation_id, JoinFeedback.payload)
+        .where(_IS_PENDING, JoinFeedback.first_seen < cutoff)).tuples().all()
+
+
+def sessions_matched(conn: object, generation_ids: Collection[str]) -> None:
+    """Stored sessions `generation_ids` yielded an experience (their expiry is no loss)."""
     for chunk in _chunks(generation_ids):
         conn.execute(update(JoinSession).where(  # type: ignore[attr-defined]
             JoinSession.generation_id.in_(IDS)).values(matched=True), {"ids": chunk})  # type: ignore[attr-defined]
@@ -180,25 +272,109 @@ def claim_pending(conn: object, event_ids: Collection[str]) -> set[str]:
     claimed: set[str] = set()
     for chunk in _chunks(event_ids):
         claimed.update(conn.execute(  # type: ignore[attr-defined]
-            update(JoinFeedback).where(JoinFeedback.event_id.in_(IDS),  # type: ignore[attr-defined]
-                                       JoinFeedback.state == PENDING)
+            update(JoinFeedback).where(JoinFeedback.event_id.in_(IDS), _IS_PENDING)  # type: ignore[attr-defined]
             .values(state=MATCHED).returning(JoinFeedback.event_id), {"ids": chunk}).scalars())
     return claimed
 
 
-def mark_produced(conn: object, experience_ids: Sequence[str],
+class OutboxRow(NamedTuple):
+    """A join_outbox row, in column order."""
+
+    source: int
+    seq: int
+    experience_id: str
+    generation_id: str
+    feedback: str
+    reward: float
+    joined_at: float
+
+
+def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
+    """INSERT the rows, as plain tuples through the driver (the hot path of the join)."""
+    if rows:
+        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        conn.exec_driver_sql(f"INSERT INTO join_outbox ({', '.join(OutboxRow._fields)}) "
+                             f"VALUES ({', '.join([mark] * len(OutboxRow._fields))})",
+                             list(rows))  # type: ignore[arg-type]
+
+
+def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
+    """The highest seq each of `sources` used (0 for none): stored rows or produced marks."""
+    last = {source: 0 for source in sources}
+    for source in sources:
+        stored = conn.execute(select(func.max(JoinOutbox.seq)).where(  # type: ignore[attr-defined]
+            JoinOutbox.source == source)).scalar()
+        last[source] = stored or 0
+    for source, seq in produced_marks(conn, sources).items():
+        last[source] = max(last[source], seq)
+    return last
+
+
+def unproduced(conn: object, sources: Collection[int]
+               ) -> list[tuple[OutboxRow, FeedbackReceived, GenerationLogged]]:
+    """The outbox rows of `sources` not produced yet, by source and seq, each with its
+    feedback and its session decoded."""
+    marks = produced_marks(conn, sources)
+    found: list[tuple[OutboxRow, str]] = []
+    for source in sorted(sources):
+        for *fields, session in conn.execute(  # type: ignore[attr-defined]
+                select(JoinOutbox.source, JoinOutbox.seq, JoinOutbox.experience_id,
+                       JoinOutbox.generation_id, JoinOutbox.feedback, JoinOutbox.reward,
+                       JoinOutbox.joined_at, JoinSession.payload)
+                .join(JoinSession, JoinSession.generation_id == JoinOutbox.generation_id,  # type: ignore[arg-type]
+                      isouter=True)
+                .where(JoinOutbox.source == source, JoinOutbox.seq > marks.get(source, 0))  # type: ignore[arg-type]
+                .order_by(JoinOutbox.seq)):  # type: ignore[arg-type]
+            row = OutboxRow(*fields)
+            if session is None:  # expire() keeps these: a bug if it did not
+                raise RuntimeError(f"outbox row {row.experience_id}: session "
+                                   f"{row.generation_id} is gone")
+            found.append((row, session))
+    feedback = _decoded(FeedbackReceived, [row.feedback for row, _ in found])
+    sessions = _decoded(GenerationLogged, [session for _, session in found])
+    return [(row, f, s) for (row, _), f, s in zip(found, feedback, sessions, strict=True)]
+
+
+def in_outbox(conn: object, generation_ids: Collection[str]) -> set[str]:
+    """The generations among `generation_ids` that outbox rows (unproduced or not yet
+    pruned) refer to."""
+    found: set[str] = set()
+    for chunk in _chunks(generation_ids):
+        found.update(conn.execute(select(JoinOutbox.generation_id).where(  # type: ignore[attr-defined]
+            JoinOutbox.generation_id.in_(IDS)), {"ids": chunk}).scalars())  # type: ignore[attr-defined]
+    return found
+
+
+def produced_marks(conn: object, sources: Collection[int]) -> dict[int, int]:
+    return dict(conn.execute(select(JoinProduced.source, JoinProduced.seq).where(  # type: ignore[attr-defined]
+        JoinProduced.source.in_(sorted(sources)))).tuples().all())  # type: ignore[attr-defined]
+
+
+def _raise_to(conn: object, table: Any, key: dict[str, int], column: str, value: int) -> None:
+    """Set `table.column` of the row at `key` to `value` if that is higher (insert if absent)."""
+    where = [getattr(table, k) == v for k, v in key.items()]
+    row = conn.execute(select(getattr(table, column)).where(*where)).scalar()  # type: ignore[attr-defined]
+    if row is None:
+        conn.execute(table.__table__.insert(), {**key, column: value})  # type: ignore[attr-defined]
+    elif value > row:
+        conn.execute(update(table).where(*where).values({column: value}))  # type: ignore[attr-defined]
+
+
+def mark_produced(conn: object, marks: dict[int, int],
                   offsets: dict[tuple[int, int], int]) -> None:
-    """Mark outbox rows produced and remember the highest acked offset per (input partition,
-    experiences partition)."""
-    for chunk in _chunks(experience_ids):
-        conn.execute(update(JoinExperience).where(  # type: ignore[attr-defined]
-            JoinExperience.experience_id.in_(IDS)).values(produced=True),  # type: ignore[attr-defined]
-            {"ids": chunk})
+    """Outbox rows up to seq `marks[source]` are produced; remember the highest acked offset
+    per (source, experiences partition)."""
+    for source, seq in marks.items():
+        _raise_to(conn, JoinProduced, {"source": source}, "seq", seq)
     for (source, partition), offset in offsets.items():
-        where = (JoinProgress.source == source, JoinProgress.partition == partition)
-        row = conn.execute(select(JoinProgress.offset).where(*where)).scalar()  # type: ignore[attr-defined]
-        if row is None:
-            conn.execute(JoinProgress.__table__.insert(),  # type: ignore[attr-defined]
-                         {"source": source, "partition": partition, "offset": offset})
-        elif offset > row:
-            conn.execute(update(JoinProgress).where(*where).values(offset=offset))  # type: ignore[attr-defined]
+        _raise_to(conn, JoinProgress, {"source": source, "partition": partition}, "offset",
+                  offset)
+
+
+def prune_outbox(conn: object, sources: Collection[int]) -> int:
+    """Delete the produced outbox rows of `sources`; returns how many."""
+    deleted = 0
+    for source, seq in produced_marks(conn, sources).items():
+        deleted += conn.execute(delete(JoinOutbox).where(  # type: ignore[attr-defined]
+            JoinOutbox.seq <= seq, JoinOutbox.source == source)).rowcount  # type: ignore[operator,arg-type]
+    return deleted

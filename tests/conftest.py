@@ -29,6 +29,9 @@ def service_reachable(host: str, port: int) -> bool:
         return False
 
 
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"  # the production tests' own
+
+
 def require_service(name: str, host: str, port: int) -> None:
     """Skip when a production service is absent, but fail in CI, where it must exist."""
     if service_reachable(host, port):

@@ -35,6 +35,7 @@ from ingest.join import (
 )
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
+from tests.conftest import POSTGRES_URL, require_service
 
 
 def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
@@ -65,14 +66,36 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def make_join(kafka: KafkaConfig, tmp_path: Path, clock: Clock) -> Iterator[Callable[..., Join]]:
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The join's SQL state: SQLite by default; `postgres` (indirect parameter) gives a fresh
+    schema on the local PostgreSQL, dropped afterwards."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        yield f"sqlite:///{tmp_path / 'join.db'}"
+        return
+    require_service("PostgreSQL", "127.0.0.1", 5432)
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(POSTGRES_URL)
+    schema = f"join_{uuid.uuid4().hex[:12]}"
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture
+def make_join(kafka: KafkaConfig, database_url: str, clock: Clock
+              ) -> Iterator[Callable[..., Join]]:
     joins: list[Join] = []
     group = f"join-{uuid.uuid4().hex[:8]}"
 
     def make(**overrides: object) -> Join:
         settings = JoinSettings(group_id=group, poll_timeout_ms=100, **overrides)
-        join = Join(kafka, settings, database_url=f"sqlite:///{tmp_path / 'join.db'}",
-                    clock=clock)
+        join = Join(kafka, settings, database_url=database_url, clock=clock)
         joins.append(join)
         return join
 
@@ -109,6 +132,7 @@ def test_every_kind_has_a_reward() -> None:
     assert reward_for(feedback("g", "thumbs_down"), RewardMap(thumbs_down=0.0)) == 0.0
 
 
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_feedback_before_session_joins_once_per_unique_event(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join]) -> None:
     rng = np.random.default_rng(0)
@@ -135,6 +159,7 @@ def test_feedback_before_session_joins_once_per_unique_event(
     assert join.stats.duplicates == 1
 
 
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_unmatched_entries_expire_to_the_dlq(kafka: KafkaConfig, producer: EventProducer,
                                              make_join: Callable[..., Join],
                                              clock: Clock) -> None:
@@ -182,13 +207,14 @@ def test_undecodable_records_go_to_the_dlq_and_the_join_goes_on(
     assert all(d.reason and d.consumer == "join" for d in letters)
 
 
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_a_crash_between_produce_and_mark_does_not_produce_twice(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join]) -> None:
     events = [feedback("gen-c"), feedback("gen-c", "reject")]
     for event in events:
         producer.send(kafka.topics.feedback, "gen-c", event)
-    producer.send(kafka.topics.sessions, "gen-c", synthetic_session("gen-c",
-                                                                    np.random.default_rng(4)))
+    session = synthetic_session("gen-c", np.random.default_rng(4))
+    producer.send(kafka.topics.sessions, "gen-c", session)
     producer.flush()
     first = make_join()
     first.drain = lambda: None  # type: ignore[method-assign]  # crash before producing
@@ -196,19 +222,26 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
     # the predecessor got one of the two out before dying, unmarked
     from sqlmodel import Session, select
 
-    from ingest.join_state import JoinExperience
+    from ingest.join_state import JoinOutbox
 
     with Session(first.db) as s:
-        row = s.exec(select(JoinExperience).where(
-            JoinExperience.event_id == events[0].event_id)).one()
-    producer.send_raw(kafka.topics.experiences, row.experience_id,
-                      row.payload.encode()).get(timeout=10)
+        row = s.exec(select(JoinOutbox).where(
+            JoinOutbox.experience_id == experience_id_for(events[0].event_id))).one()
+    assert row.generation_id == "gen-c"
+    assert row.reward == reward_for(events[0], first.settings.rewards)
+    producer.send(kafka.topics.experiences, row.experience_id, build_experience(
+        session, events[0], row.reward)).get(timeout=10)
     first.close()
     second = make_join()
     run_until(second, lambda: second.stats.experiences == 1, timeout_s=40)
     experiences = read_all(kafka, kafka.topics.experiences, ExperienceReady)
     assert sorted(x.experience_id for x in experiences) == sorted(
         experience_id_for(e.event_id) for e in events)
+    # the second was rebuilt from the stored session and feedback
+    [rebuilt] = [x for x in experiences if x.experience_id == experience_id_for(
+        events[1].event_id)]
+    expected = build_experience(session, events[1], reward_for(events[1], second.settings.rewards))
+    assert rebuilt.model_dump(exclude={"joined_at"}) == expected.model_dump(exclude={"joined_at"})
 
 
 def test_sessions_and_feedback_of_a_generation_share_a_partition(
@@ -230,6 +263,7 @@ def test_sessions_and_feedback_of_a_generation_share_a_partition(
         sessions.abandon()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_the_sweep_matches_feedback_whose_session_another_member_stored(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join],
         clock: Clock) -> None:
@@ -275,11 +309,12 @@ def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
     ("thumbs_down", -3.5e-7, ["é ünïcode"], True)])
 def test_spliced_experience_json_decodes_to_the_built_experience(
         kind: str, value: float | None, stop: list[str], routed: bool) -> None:
-    session = synthetic_session("gen-s", np.random.default_rng(5))
+    session = synthetic_session('gen-"s"\\ é', np.random.default_rng(5))
     session = session.model_copy(update={
         "sampling": session.sampling.model_copy(update={"stop": stop}),
         "routed_experts": session.routed_experts if routed else None})
-    fb = feedback("gen-s", kind, value=value)
+    fb = feedback('gen-"s"\\ é', kind, value=value)
+    fb = fb.model_copy(update={"event_id": fb.event_id + '"\\ ü\n'})
     reward = reward_for(fb, RewardMap())
     joined = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
     spliced = ExperienceReady.model_validate_json(experience_json(

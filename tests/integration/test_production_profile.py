@@ -17,10 +17,9 @@ from app.settings import Settings
 from app.stack import running_stack
 from ingest.config import KafkaConfig
 from ingest.signing import SIGNATURE_HEADER, sign
-from tests.conftest import require_service
+from tests.conftest import POSTGRES_URL, require_service
 
 pytestmark = pytest.mark.integration
-POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SECRET = "production-webhook-secret"
 
