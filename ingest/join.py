@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from pydantic import TypeAdapter
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, select
 
 from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import (
@@ -49,17 +49,18 @@ from ingest.events import (
     utcnow,
 )
 from ingest.join_state import (
-    EXPIRED,
     MATCHED,
     PENDING,
     JoinFeedback,
+    JoinOutbox,
     JoinProgress,
     JoinSession,
     OutboxRow,
     add_to_outbox,
     claim_pending,
     claim_waiting,
-    in_outbox,
+    expire_feedback,
+    forget_sessions,
     insert_new,
     last_seqs,
     mark_produced,
@@ -72,7 +73,14 @@ from ingest.join_state import (
     unproduced,
     writing,
 )
-from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics, partition_for
+from ingest.log import (
+    Delivered,
+    EventConsumer,
+    EventProducer,
+    ensure_topics,
+    partition_for,
+    scan_keys,
+)
 from ingest.rewards import reward_for
 from ingest.sql_ids import existing_ids
 
@@ -438,7 +446,8 @@ class Join:
                 select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
                 .where(JoinSession.first_seen < cutoff)).all()
             # a session stays while an experience of it waits to be produced (and rebuilt)
-            waiting = in_outbox(conn, [g for g, _, _ in stale_sessions])
+            waiting = existing_ids(conn, JoinOutbox.generation_id,
+                                   [g for g, _, _ in stale_sessions])
             stale_sessions = [row for row in stale_sessions if row[0] not in waiting]
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
@@ -450,13 +459,8 @@ class Join:
         for future in futures:
             future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
         with writing(self.db) as conn:
-            for start in range(0, len(stale_feedback), 5000):
-                ids = [e for e, _, _ in stale_feedback[start:start + 5000]]
-                conn.execute(update(JoinFeedback).where(JoinFeedback.event_id.in_(ids))
-                             .values(state=EXPIRED))
-            for start in range(0, len(stale_sessions), 5000):
-                ids = [g for g, _, _ in stale_sessions[start:start + 5000]]
-                conn.execute(delete(JoinSession).where(JoinSession.generation_id.in_(ids)))
+            expire_feedback(conn, [e for e, _, _ in stale_feedback])
+            forget_sessions(conn, [g for g, _, _ in stale_sessions])
         self._recent.forget(g for g, _, _ in stale_sessions)
         self.stats.expired_feedback += len(stale_feedback)
         self.stats.expired_sessions += sum(1 for *_, m in stale_sessions if not m)
@@ -465,37 +469,6 @@ class Join:
         self.consumer.close()
         self.producer.close()
         self.db.dispose()
-
-
-def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int],
-              wanted: set[str] | None = None) -> set[str]:
-    """The keys of `topic` from `starts` (partition -> offset; else the beginning) to its end,
-    or until every key of `wanted` is seen.
-
-    A poll takes every fetched record (Tansu's end offset is the last batch's first offset
-    + 1, so a poll that stopped partway through the last batch would look like the end)."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False,
-                             group_id=None, request_timeout_ms=kafka.request_timeout_ms,
-                             max_poll_records=1_000_000)
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
-                                                        or ())]
-        consumer.assign(tps)
-        ends = consumer.end_offsets(tps)
-        for tp in tps:
-            consumer.seek(tp, min(starts.get(tp.partition, 0), ends[tp]))
-        keys: set[str] = set()
-        deadline = time.monotonic() + 60
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{topic}: tail scan did not reach the end in 60s")
-            for records in consumer.poll(timeout_ms=200).values():
-                keys.update(r.key.decode() for r in records if r.key is not None)
-            if wanted is not None and wanted <= keys:
-                break
-        return keys
-    finally:
-        consumer.close()
 
 
 def run_join(kafka: KafkaConfig, settings: JoinSettings, *, database_url: str,

@@ -225,15 +225,22 @@ def stored_sessions(conn: object, generation_ids: Collection[str]
                     strict=True))
 
 
+def _claim(conn: object, column: Any, ids: Collection[str], returned: Any) -> list[str]:
+    """Mark the pending feedback whose `column` is among `ids` matched; returns `returned` of
+    the rows this call moved (a concurrent member that moved one first keeps it)."""
+    out: list[str] = []
+    for chunk in _chunks(ids):
+        out += conn.execute(  # type: ignore[attr-defined]
+            update(JoinFeedback).where(_IS_PENDING, column.in_(IDS))
+            .values(state=MATCHED).returning(returned), {"ids": chunk}).scalars()
+    return out
+
+
 def claim_waiting(conn: object, generation_ids: Collection[str]
                   ) -> list[tuple[FeedbackReceived, str]]:
     """Mark the stored feedback still waiting for one of `generation_ids` matched, and return
     it: decoded, and as stored."""
-    payloads: list[str] = []
-    for chunk in _chunks(generation_ids):
-        payloads += conn.execute(  # type: ignore[attr-defined]
-            update(JoinFeedback).where(_IS_PENDING, JoinFeedback.generation_id.in_(IDS))  # type: ignore[attr-defined]
-            .values(state=MATCHED).returning(JoinFeedback.payload), {"ids": chunk}).scalars()
+    payloads = _claim(conn, JoinFeedback.generation_id, generation_ids, JoinFeedback.payload)
     return list(zip(_decoded(FeedbackReceived, payloads), payloads, strict=True))
 
 
@@ -259,6 +266,20 @@ def stale_pending(conn: object, cutoff: float) -> list[tuple[str, str, str]]:
         .where(_IS_PENDING, JoinFeedback.first_seen < cutoff)).tuples().all()
 
 
+def expire_feedback(conn: object, event_ids: Collection[str]) -> None:
+    """Pending feedback `event_ids` timed out (the dead letters are sent)."""
+    for chunk in _chunks(event_ids):
+        conn.execute(update(JoinFeedback).where(  # type: ignore[attr-defined]
+            JoinFeedback.event_id.in_(IDS)).values(state=EXPIRED), {"ids": chunk})  # type: ignore[attr-defined]
+
+
+def forget_sessions(conn: object, generation_ids: Collection[str]) -> None:
+    """Delete the stored sessions `generation_ids` (expired)."""
+    for chunk in _chunks(generation_ids):
+        conn.execute(delete(JoinSession).where(  # type: ignore[attr-defined]
+            JoinSession.generation_id.in_(IDS)), {"ids": chunk})  # type: ignore[attr-defined]
+
+
 def sessions_matched(conn: object, generation_ids: Collection[str]) -> None:
     """Stored sessions `generation_ids` yielded an experience (their expiry is no loss)."""
     for chunk in _chunks(generation_ids):
@@ -269,12 +290,7 @@ def sessions_matched(conn: object, generation_ids: Collection[str]) -> None:
 def claim_pending(conn: object, event_ids: Collection[str]) -> set[str]:
     """Mark pending feedback `event_ids` matched; returns those this call moved (a concurrent
     member that claimed one first makes it drop out, so each experience is queued once)."""
-    claimed: set[str] = set()
-    for chunk in _chunks(event_ids):
-        claimed.update(conn.execute(  # type: ignore[attr-defined]
-            update(JoinFeedback).where(JoinFeedback.event_id.in_(IDS), _IS_PENDING)  # type: ignore[attr-defined]
-            .values(state=MATCHED).returning(JoinFeedback.event_id), {"ids": chunk}).scalars())
-    return claimed
+    return set(_claim(conn, JoinFeedback.event_id, event_ids, JoinFeedback.event_id))
 
 
 class OutboxRow(NamedTuple):
@@ -300,11 +316,8 @@ def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
 
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
     """The highest seq each of `sources` used (0 for none): stored rows or produced marks."""
-    last = {source: 0 for source in sources}
-    for source in sources:
-        stored = conn.execute(select(func.max(JoinOutbox.seq)).where(  # type: ignore[attr-defined]
-            JoinOutbox.source == source)).scalar()
-        last[source] = stored or 0
+    last = {source: conn.execute(select(func.max(JoinOutbox.seq)).where(  # type: ignore[attr-defined]
+        JoinOutbox.source == source)).scalar() or 0 for source in sources}
     for source, seq in produced_marks(conn, sources).items():
         last[source] = max(last[source], seq)
     return last
@@ -333,16 +346,6 @@ def unproduced(conn: object, sources: Collection[int]
     feedback = _decoded(FeedbackReceived, [row.feedback for row, _ in found])
     sessions = _decoded(GenerationLogged, [session for _, session in found])
     return [(row, f, s) for (row, _), f, s in zip(found, feedback, sessions, strict=True)]
-
-
-def in_outbox(conn: object, generation_ids: Collection[str]) -> set[str]:
-    """The generations among `generation_ids` that outbox rows (unproduced or not yet
-    pruned) refer to."""
-    found: set[str] = set()
-    for chunk in _chunks(generation_ids):
-        found.update(conn.execute(select(JoinOutbox.generation_id).where(  # type: ignore[attr-defined]
-            JoinOutbox.generation_id.in_(IDS)), {"ids": chunk}).scalars())  # type: ignore[attr-defined]
-    return found
 
 
 def produced_marks(conn: object, sources: Collection[int]) -> dict[int, int]:

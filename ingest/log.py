@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -270,8 +271,6 @@ def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
     Reads to the end offsets the broker reports, then on until a poll of `quiet_ms` brings
     nothing: Tansu's reported end can trail the last records of a compressed batch.
     """
-    import time
-
     consumer = KafkaConsumer(bootstrap_servers=config.bootstrap, enable_auto_commit=False,
                              group_id=None, request_timeout_ms=config.request_timeout_ms)
     try:
@@ -293,6 +292,37 @@ def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
             if reached_end and not batch:
                 return out
             reached_end = reached_end or all(consumer.position(tp) >= ends[tp] for tp in tps)
+    finally:
+        consumer.close()
+
+
+def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int],
+              wanted: set[str] | None = None) -> set[str]:
+    """The keys of `topic` from `starts` (partition -> offset; else the beginning) to its end,
+    or until every key of `wanted` is seen.
+
+    A poll takes every fetched record (Tansu's end offset is the last batch's first offset
+    + 1, so a poll that stopped partway through the last batch would look like the end)."""
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False,
+                             group_id=None, request_timeout_ms=kafka.request_timeout_ms,
+                             max_poll_records=1_000_000)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
+                                                        or ())]
+        consumer.assign(tps)
+        ends = consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, min(starts.get(tp.partition, 0), ends[tp]))
+        keys: set[str] = set()
+        deadline = time.monotonic() + 60
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: tail scan did not reach the end in 60s")
+            for records in consumer.poll(timeout_ms=200).values():
+                keys.update(r.key.decode() for r in records if r.key is not None)
+            if wanted is not None and wanted <= keys:
+                break
+        return keys
     finally:
         consumer.close()
 

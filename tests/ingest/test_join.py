@@ -293,7 +293,7 @@ def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
                                                 producer: EventProducer) -> None:
     """Tansu reports a partition's end as its last batch's first offset + 1: the scan that
     recovery relies on must still see every record of that batch."""
-    from ingest.join import scan_keys
+    from ingest.log import scan_keys
 
     topic = kafka.topics.experiences
     keys = [f"scan-{i}-{uuid.uuid4().hex[:6]}" for i in range(1200)]
