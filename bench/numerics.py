@@ -13,11 +13,19 @@ tokenizer-driven service), calling the same kernels API the engine calls.
 
 Slowdowns are same-process ratios: off and on alternate for ``--rounds`` rounds on one model and
 the median of the per-round ratios is reported, so load from other processes cancels out.
-``slowdown`` divides process CPU time (one intra-op thread: the decode's own work, not the time
-spent descheduled); ``slowdown_wall`` divides wall time. Token counts are equal in both modes.
+On CPU, ``slowdown`` and ``trainer_slowdown`` divide process CPU time (one intra-op thread: the
+work itself, not the time spent descheduled). On CUDA they divide wall time, read after
+``torch.cuda.synchronize()`` (the host's CPU time says nothing about the GPU's work there).
+``slowdown_wall`` always divides wall time. Token counts are equal in both modes.
+
+``--device cuda`` puts the model and every input on the GPU (the batch-invariant ops then run
+the Triton kernels); tokens are sampled on the CPU from the device's probabilities, with a
+seeded CPU generator, so sampling is deterministic and the same code on both devices.
 
     .venv/bin/python bench/numerics.py [--rounds 3]   # ~6 minutes on 2 shared cores
-The last line is one JSON object (default model at top level, the larger one under "larger").
+    python bench/numerics.py --device cuda            # on a GPU machine
+The last line is one JSON object (default model at top level, the larger one under "larger",
+the device under "device").
 """
 
 from __future__ import annotations
@@ -45,7 +53,10 @@ class Seconds(NamedTuple):
     cpu: float
 
     @staticmethod
-    def now() -> Seconds:
+    def now(device: torch.device) -> Seconds:
+        """Wall and process CPU time, once the device's queued work has finished."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return Seconds(time.perf_counter(), time.process_time())
 
     def __sub__(self, other: tuple[float, ...]) -> Seconds:  # type: ignore[override]
@@ -87,11 +98,12 @@ def serve_wave(model: torch.nn.Module, prompts: list[list[int]], new_tokens: lis
                gen: torch.Generator) -> list[Rollout]:
     """Left-padded prefill then decode; finished rows leave the batch and the cache."""
     rows = [Rollout(list(p), len(p)) for p in prompts]
-    longest = max(len(p) for p in prompts)
+    longest, device = max(len(p) for p in prompts), model.device
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, longest - len(p):], mask[b, longest - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, live = DynamicCache(config=model.config), list(range(len(prompts)))
     with torch.no_grad(), capture_routes(model) as recorder:
@@ -102,21 +114,23 @@ def serve_wave(model: torch.nn.Module, prompts: list[list[int]], new_tokens: lis
             for i, b in enumerate(live):
                 rows[b].routes.append(step.routes[i][step.valid[i]])
             logits = out.logits[:, -1]
-            tok = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)[:, 0]
-            lp = token_logprobs(logits, tok)
+            probs = torch.softmax(logits.float().cpu(), -1)  # sampled on the CPU: gen is there
+            sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            tok = sampled.to(device)
+            lp = token_logprobs(logits, tok).tolist()
             keep = []
             for i, b in enumerate(live):
-                rows[b].tokens.append(int(tok[i]))
-                rows[b].logprobs.append(float(lp[i]))
+                rows[b].tokens.append(int(sampled[i]))
+                rows[b].logprobs.append(lp[i])
                 if len(rows[b].logprobs) < new_tokens[b]:
                     keep.append(i)
             if not keep:
                 break
             if len(keep) < len(live):
-                cache.batch_select_indices(torch.tensor(keep))
+                cache.batch_select_indices(torch.tensor(keep, device=device))
                 mask, pos, tok = mask[keep], pos[keep], tok[keep]
                 live = [live[i] for i in keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             pos = pos[:, -1:] + 1
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
                         past_key_values=cache, use_cache=True)
@@ -128,17 +142,17 @@ def serve_wave(model: torch.nn.Module, prompts: list[list[int]], new_tokens: lis
 def serve(model: torch.nn.Module, seed: int) -> tuple[list[Rollout], Seconds]:
     """All waves; returns the rollouts and the time they took (prefill, decode, sampling)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    vocab, rollouts, start = model.config.vocab_size, [], Seconds.now()
+    vocab, rollouts, start = model.config.vocab_size, [], Seconds.now(model.device)
     for size in WAVES:
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(size)]
         rollouts += serve_wave(model, prompts, [rng.randint(8, 24) for _ in range(size)], gen)
-    return rollouts, Seconds.now() - start
+    return rollouts, Seconds.now(model.device) - start
 
 
 def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
           seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Seconds]:
     """Full-sequence forwards over shuffled batches of 16; per rollout: logprobs (n,) and the
-    experts used (T-1, L, K). Returns those and the forward time."""
+    experts used (T-1, L, K), both on the CPU. Returns those and the forward time."""
     order = list(range(len(rollouts)))
     random.Random(seed + 1).shuffle(order)
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollouts)
@@ -151,8 +165,9 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
         mask = torch.zeros_like(ids)
         for b, r in enumerate(batch):
             ids[b, :len(r.tokens)], mask[b, :len(r.tokens)] = torch.tensor(r.tokens), 1
-        routes = stack_routes([r.routes[0] for r in batch], length)
-        start = Seconds.now()
+        ids, mask = ids.to(model.device), mask.to(model.device)
+        routes = stack_routes([r.routes[0] for r in batch], length)  # moved to the device per layer
+        start = Seconds.now(model.device)
         with torch.no_grad(), capture_routes(model) as recorder:
             if replay:
                 with replay_routes(model, routes):
@@ -160,7 +175,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], replay: bool,
             else:
                 logits = model(input_ids=ids, attention_mask=mask).logits
             lp = token_logprobs(logits[:, :-1], ids[:, 1:])  # (B, T-1)
-        elapsed = elapsed + (Seconds.now() - start)
+        elapsed = elapsed + (Seconds.now(model.device) - start)
+        lp = lp.cpu()
         seen = recorder.steps[0].routes
         for b, (i, r) in enumerate(zip(chunk, batch, strict=True)):
             n = len(r.tokens)
@@ -191,23 +207,27 @@ def compare(model: torch.nn.Module, on: bool,
     return figures, len(served), serve_s, train_s
 
 
-def run(name: str, config: Qwen3MoeConfig, rounds: int, seed: int = 0) -> dict[str, object]:
+def run(name: str, config: Qwen3MoeConfig, rounds: int, device: torch.device,
+        seed: int = 0) -> dict[str, object]:
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval()
+    model = Qwen3MoeForCausalLM(config).eval().to(device)  # same weights on every device
     compare(model, on=False, seed=seed + 100)  # warm-up (allocator, kernels)
+    if device.type == "cuda":
+        compare(model, on=True, seed=seed + 100)  # Triton compiles its kernels on first use
+    clock = "wall" if device.type == "cuda" else "cpu"  # what slowdowns divide (module doc)
     ratios: dict[str, list[float]] = {"cpu": [], "wall": [], "trainer": []}
     for _ in range(rounds):  # off and on alternate: both see the same load from other processes
         off, tokens, off_serve, off_train = compare(model, on=False, seed=seed)
         on, _, on_serve, on_train = compare(model, on=True, seed=seed)
         ratios["cpu"].append(on_serve.cpu / off_serve.cpu)
         ratios["wall"].append(on_serve.wall / off_serve.wall)
-        ratios["trainer"].append(on_train.cpu / off_train.cpu)
-    on["slowdown"] = statistics.median(ratios["cpu"])  # decode tokens/s, off over on
+        ratios["trainer"].append(getattr(on_train, clock) / getattr(off_train, clock))
+    on["slowdown"] = statistics.median(ratios[clock])  # decode tokens/s, off over on
     on["slowdown_wall"] = statistics.median(ratios["wall"])
     on["trainer_slowdown"] = statistics.median(ratios["trainer"])
     print(f"{name}: decode {tokens / off_serve.wall:.0f} -> {tokens / on_serve.wall:.0f} tok/s "
-          f"(last round), slowdown per round (cpu) "
-          + " ".join(f"{r:.2f}" for r in ratios["cpu"])
+          f"(last round), slowdown per round ({clock}) "
+          + " ".join(f"{r:.2f}" for r in ratios[clock])
           + f"; trainer forward {off_train.wall:.2f} -> {on_train.wall:.2f} s (off -> on)")
     for mode, figures in (("off", off), ("on", on)):
         print(f"  {mode:3s} " + "  ".join(f"{k}={v:.3g}" for k, v in figures.items()))
@@ -218,14 +238,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="off/on rounds per model (median)")
     parser.add_argument("--only", choices=("default", "larger"), help="run one model only")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model runs (cuda: the Triton kernels)")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning across busy cores costs 10-100x
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning across busy cores costs 10-100x
+    else:
+        print(f"device: {torch.cuda.get_device_name(device)}")
     result: dict[str, object] = {}
     if args.only != "larger":
-        result = run("default", tiny_config(), args.rounds)
+        result = run("default", tiny_config(), args.rounds, device)
     if args.only != "default":
-        result["larger"] = run("larger", larger_config(), args.rounds)
-    print(json.dumps({"bench": "numerics", **result}))
+        result["larger"] = run("larger", larger_config(), args.rounds, device)
+    print(json.dumps({"bench": "numerics", **result, "device": args.device}))
 
 
 if __name__ == "__main__":

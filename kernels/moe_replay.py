@@ -4,7 +4,9 @@ Serving records, for every token it feeds to the model, the top-k expert indices
 layer: int16, (tokens, num_moe_layers, top_k). The trainer replays them: the indices come from
 the record, the gate weights are recomputed from the trainer's own router logits (softmax over
 all experts, gathered at the recorded indices, renormalised when the router normalises its
-top-k), so the router still receives gradient through the weights.
+top-k; with the same ops as the router's own forward, batch-invariant or stock), so the router
+still receives gradient through the weights, and replaying the routes a router chose itself
+reproduces its output bit for bit.
 
 Both work on transformers' top-k routers (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), modules whose
 forward maps hidden (N, H) to (logits (N, E), weights (N, K), indices (N, K)). They use forward
@@ -19,7 +21,7 @@ hooks on those modules, so they compose with the stock or the batch-invariant fo
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -139,17 +141,23 @@ def _capture_hook(recorder: RouteRecorder, layer: int) -> Any:
 
 
 def replay_gate_weights(
-    logits: torch.Tensor, indices: torch.Tensor, normalize: bool
+    logits: torch.Tensor, indices: torch.Tensor, normalize: bool, invariant: bool = True
 ) -> torch.Tensor:
-    """Gate weights at given experts from the router's own logits. (N, E), (N, K) -> (N, K).
+    """Gate weights at given experts from the router's own logits. (N, E), (N, K) -> (N, K) fp32.
 
-    Same math as the routers: softmax over all experts in float32, gathered, renormalised.
+    Same math as the routers: softmax over all experts in float32, gathered, renormalised; with
+    the batch-invariant ops (``invariant``, as the switched router) or torch's (as transformers'
+    routers). On CPU both give the same bits; on CUDA the batch-invariant ones are the Triton
+    kernels, whose bits differ from torch's, so each mode must use its router's own ops.
     """
-    probs = bi_softmax(logits, dim=-1)  # (N, E)
+    if invariant:
+        probs = bi_softmax(logits, dim=-1)  # (N, E)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights = probs.gather(-1, indices)
     if normalize:
-        weights = weights / bi_row_sum(weights)
-    return weights.to(logits.dtype)
+        weights = weights / (bi_row_sum(weights) if invariant else weights.sum(-1, keepdim=True))
+    return weights
 
 
 class RouteReplayer:
@@ -177,11 +185,14 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteRepla
     routes (B, T, L, K) integer, aligned with the forward's input_ids (B, T); entries equal to
     ``NO_ROUTE`` (-1), e.g. padding or the final token, keep the router's own choice.
     """
+    from kernels.batch_invariant import is_batch_invariant  # here: that module imports this one
+
     routers = find_routers(model)
     replayer = RouteReplayer(routes, len(routers))
     # prepend: replay rewrites the output before capture hooks see it, whatever the nesting order
     handles = [
-        r.register_forward_hook(_replay_hook(replayer, i), prepend=True)
+        r.register_forward_hook(
+            _replay_hook(replayer, i, lambda: is_batch_invariant(model)), prepend=True)
         for i, r in enumerate(routers)
     ]
     try:
@@ -191,13 +202,14 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteRepla
             h.remove()
 
 
-def _replay_hook(replayer: RouteReplayer, layer: int) -> Any:
+def _replay_hook(replayer: RouteReplayer, layer: int, invariant: Callable[[], bool]) -> Any:
     def hook(router: nn.Module, _args: Any, output: tuple[torch.Tensor, ...]) -> tuple:
-        logits, _weights, own = output
+        logits, own_weights, own = output
         recorded = replayer.indices(layer, logits.shape[0], logits.device)
         indices = torch.where(recorded >= 0, recorded, own)
         normalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always normalises
-        return logits, replay_gate_weights(logits, indices, normalize), indices
+        weights = replay_gate_weights(logits, indices, normalize, invariant())
+        return logits, weights.to(own_weights.dtype), indices  # Mixtral keeps float32
 
     return hook
 

@@ -1,8 +1,11 @@
 """Batch-invariant kernels: parity with the stock ops, and bitwise invariance of a row's result
-across batch sizes, padding, thread counts and prefill vs decode. Runs in seconds on CPU."""
+across batch sizes, padding, thread counts and prefill vs decode. Runs in seconds on CPU.
+
+Tests taking ``device`` run again on CUDA (the Triton kernels), marked ``gpu``."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +34,11 @@ from kernels.bi_ops import (
     token_logprobs,
 )
 from kernels.moe_replay import capture_routes, replay_routes, stack_routes
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs CUDA and triton")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 
 
 @pytest.fixture(autouse=True)
@@ -70,11 +78,12 @@ def decode_logprobs(
 ) -> tuple[list[list[float]], list[torch.Tensor]]:
     """Serving-style: left-padded prefill of the prompts, then one token per step through a
     DynamicCache (teacher-forced). Returns completion logprobs per row and captured routes."""
-    batch, longest = len(seqs), max(prompt_lens)
+    batch, longest, device = len(seqs), max(prompt_lens), model.device
     ids = torch.zeros(batch, longest, dtype=torch.long)
     mask = torch.zeros(batch, longest, dtype=torch.long)
     for b, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
         ids[b, longest - p :], mask[b, longest - p :] = torch.tensor(s[:p]), 1
+    ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     steps = len(seqs[0]) - prompt_lens[0]
@@ -83,13 +92,14 @@ def decode_logprobs(
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                     past_key_values=cache, use_cache=True)
         for step in range(steps):
-            tok = torch.tensor([s[p + step] for s, p in zip(seqs, prompt_lens, strict=True)])
+            tok = torch.tensor([s[p + step] for s, p in zip(seqs, prompt_lens, strict=True)],
+                               device=device)
             lp = token_logprobs(out.logits[:, -1], tok)
             for b in range(batch):
                 logprobs[b].append(lp[b].item())
             if step + 1 == steps:
                 break
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             pos = pos[:, -1:] + 1
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
                         past_key_values=cache, use_cache=True)
@@ -106,6 +116,7 @@ def trainer_logprobs(
     mask = torch.zeros(len(seqs), length, dtype=torch.long)
     for b, s in enumerate(seqs):
         ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.no_grad():
         if routes is None:
             logits = model(input_ids=ids, attention_mask=mask).logits
@@ -120,22 +131,24 @@ def trainer_logprobs(
 # ---- op parity (close to the stock op) ------------------------------------------------------
 
 
-def test_ops_match_their_references() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_match_their_references(device: str) -> None:
     torch.manual_seed(0)
-    x, w, b = torch.randn(37, 128), torch.randn(96, 128), torch.randn(96)
+    x, w, b = (t.to(device) for t in (torch.randn(37, 128), torch.randn(96, 128), torch.randn(96)))
     torch.testing.assert_close(bi_linear(x, w, b), linear_reference(x, w, b))
     torch.testing.assert_close(bi_silu(x * 4), silu_reference(x * 4))
-    g = torch.randn(128)
+    g = torch.randn(128, device=device)
     torch.testing.assert_close(bi_rms_norm(x, g, 1e-6), rms_norm_reference(x, g, 1e-6))
-    logits = torch.randn(5, 7, 300) * 3
+    logits = torch.randn(5, 7, 300).to(device) * 3
     torch.testing.assert_close(bi_softmax(logits, 1), softmax_reference(logits, 1))
     torch.testing.assert_close(bi_log_softmax(logits), log_softmax_reference(logits))
 
 
-def test_attention_matches_reference_with_padding_and_gqa() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_matches_reference_with_padding_and_gqa(device: str) -> None:
     torch.manual_seed(0)
-    q, k, v = torch.randn(3, 4, 9, 32), torch.randn(3, 2, 9, 32), torch.randn(3, 2, 9, 32)
-    causal = torch.ones(9, 9).tril().bool()
+    q, k, v = (torch.randn(3, h, 9, 32).to(device) for h in (4, 2, 2))
+    causal = torch.ones(9, 9, device=device).tril().bool()
     mask = causal[None, None].repeat(3, 1, 1, 1)
     mask[1, ..., :3] = False  # row 1 left-padded by 3
     mask[2, ..., 6:] = False  # row 2 right-padded after 6
@@ -146,13 +159,14 @@ def test_attention_matches_reference_with_padding_and_gqa() -> None:
     torch.testing.assert_close(causal_only, attention_reference(q, k, v, None, 0.2))
 
 
-def test_experts_match_eager_loop() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_match_eager_loop(device: str) -> None:
+    model = tiny_model().to(device)
     experts = model.model.layers[0].mlp.experts
     torch.manual_seed(1)
-    hidden = torch.randn(23, 128)
-    idx = torch.stack([torch.randperm(8)[:2] for _ in range(23)])
-    weights = torch.rand(23, 2)
+    hidden = torch.randn(23, 128).to(device)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(23)]).to(device)
+    weights = torch.rand(23, 2).to(device)
     model.config._experts_implementation = "eager"
     torch.testing.assert_close(bi_experts_forward(experts, hidden, idx, weights),
                                experts(hidden, idx, weights))
@@ -160,15 +174,17 @@ def test_experts_match_eager_loop() -> None:
     sentinel[::3, 1] = 8  # expert parallelism marks experts held elsewhere with num_experts
     torch.testing.assert_close(bi_experts_forward(experts, hidden, sentinel, weights),
                                experts(hidden, idx, weights.masked_fill(sentinel == 8, 0.0)))
-    assert not bi_experts_forward(experts, hidden[:2], torch.full((2, 2), 8), weights[:2]).any()
+    nowhere = torch.full((2, 2), 8, device=device)
+    assert not bi_experts_forward(experts, hidden[:2], nowhere, weights[:2]).any()
 
 
 # ---- bitwise invariance ---------------------------------------------------------------------
 
 
-def test_linear_row_is_bitwise_independent_of_batch_size_and_threads() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_row_is_bitwise_independent_of_batch_size_and_threads(device: str) -> None:
     torch.manual_seed(0)
-    w, x = torch.randn(4096, 128), torch.randn(70, 128)
+    w, x = torch.randn(4096, 128).to(device), torch.randn(70, 128).to(device)
     alone = torch.cat([bi_linear(x[i : i + 1], w) for i in range(70)])
     for m in (2, 3, 5, 7, 9, 11, 16, 17, 33, 70):
         assert torch.equal(bi_linear(x[:m], w), alone[:m]), m
@@ -176,22 +192,24 @@ def test_linear_row_is_bitwise_independent_of_batch_size_and_threads() -> None:
     assert torch.equal(bi_linear(x, w), alone)
 
 
-def test_elementwise_and_row_ops_are_position_independent() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_elementwise_and_row_ops_are_position_independent(device: str) -> None:
     torch.manual_seed(0)
-    x = torch.randn(1000) * 8
+    x = torch.randn(1000).to(device) * 8
     single = torch.cat([bi_silu(x[i : i + 1]) for i in range(1000)])
     assert torch.equal(bi_silu(x), single)
-    rows, g = torch.randn(40, 128), torch.randn(128)
+    rows, g = torch.randn(40, 128).to(device), torch.randn(128).to(device)
     assert torch.equal(bi_rms_norm(rows[:1], g, 1e-6), bi_rms_norm(rows, g, 1e-6)[:1])
-    logits = torch.randn(40, 512)
+    logits = torch.randn(40, 512).to(device)
     assert torch.equal(bi_log_softmax(logits[3:4]), bi_log_softmax(logits)[3:4])
 
 
-def test_experts_token_is_bitwise_independent_of_the_other_tokens() -> None:
-    experts = tiny_model().model.layers[0].mlp.experts
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_token_is_bitwise_independent_of_the_other_tokens(device: str) -> None:
+    experts = tiny_model().to(device).model.layers[0].mlp.experts
     torch.manual_seed(2)
-    hidden, weights = torch.randn(40, 128), torch.rand(40, 2)
-    idx = torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    hidden, weights = torch.randn(40, 128).to(device), torch.rand(40, 2).to(device)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(40)]).to(device)
     full = bi_experts_forward(experts, hidden, idx, weights)
     for i in (0, 7, 39):
         assert torch.equal(bi_experts_forward(experts, hidden[i : i + 1], idx[i : i + 1],
@@ -200,24 +218,26 @@ def test_experts_token_is_bitwise_independent_of_the_other_tokens() -> None:
                        full[5:14])
 
 
-def test_attention_prefill_row_equals_decode_step_under_any_padding() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_prefill_row_equals_decode_step_under_any_padding(device: str) -> None:
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 4, 70, 32), torch.randn(1, 2, 70, 32), torch.randn(1, 2, 70, 32)
+    q, k, v = (torch.randn(1, h, 70, 32).to(device) for h in (4, 2, 2))
     prefill = bi_attention(q, k, v, None, 0.17)  # (1, 70, H, D)
     for t in (0, 5, 63, 64, 69):
         for pad in (0, 3, 17):  # the same row, left-padded inside a decode batch
-            kp = torch.cat([torch.randn(1, 2, pad, 32), k[:, :, : t + 1]], dim=2)
-            vp = torch.cat([torch.randn(1, 2, pad, 32), v[:, :, : t + 1]], dim=2)
-            mask = torch.ones(1, 1, 1, pad + t + 1, dtype=torch.bool)
+            kp = torch.cat([torch.randn(1, 2, pad, 32).to(device), k[:, :, : t + 1]], dim=2)
+            vp = torch.cat([torch.randn(1, 2, pad, 32).to(device), v[:, :, : t + 1]], dim=2)
+            mask = torch.ones(1, 1, 1, pad + t + 1, dtype=torch.bool, device=device)
             mask[..., :pad] = False
             step = bi_attention(q[:, :, t : t + 1], kp, vp, mask, 0.17)
             assert torch.equal(step[0, 0], prefill[0, t]), (t, pad)
 
 
-def test_model_logprobs_and_routes_are_identical_across_batches_and_paths() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_logprobs_and_routes_are_identical_across_batches_and_paths(device: str) -> None:
     """Acceptance: batch-invariant mode + router replay -> |dlogprob| = 0 and equal routes, for
     decode at batch sizes 1, 7 and 32 and a trainer forward of another composition."""
-    model = enable_batch_invariant(tiny_model())
+    model = enable_batch_invariant(tiny_model().to(device))
     seqs, prompt_lens = random_sequences(32, seed=3)
     lp32, routes32 = decode_logprobs(model, seqs, prompt_lens)
     lp7, routes7 = decode_logprobs(model, seqs[5:12], prompt_lens[5:12])
@@ -231,9 +251,10 @@ def test_model_logprobs_and_routes_are_identical_across_batches_and_paths() -> N
     assert trained == [lp32[i] for i in order]
 
 
-def test_switch_restores_stock_forward() -> None:
-    model = tiny_model()
-    ids = torch.randint(0, 512, (2, 9))
+@pytest.mark.parametrize("device", DEVICES)
+def test_switch_restores_stock_forward(device: str) -> None:
+    model = tiny_model().to(device)
+    ids = torch.randint(0, 512, (2, 9)).to(device)
     with torch.no_grad():
         stock = model(input_ids=ids).logits
         keys = set(model.state_dict())

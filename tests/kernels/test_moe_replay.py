@@ -1,4 +1,6 @@
-"""MoE route capture and replay on transformers' own MoE models (Qwen3-MoE, OLMoE, Mixtral)."""
+"""MoE route capture and replay on transformers' own MoE models (Qwen3-MoE, OLMoE, Mixtral).
+
+Tests taking ``device`` run again on CUDA, marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kernels.moe_replay import (
     stack_routes,
 )
 from tests.kernels.test_batch_invariant import (
+    DEVICES,
     decode_logprobs,
     one_thread,  # noqa: F401  (autouse fixture)
     random_sequences,
@@ -41,12 +44,18 @@ def mixtral() -> torch.nn.Module:
     )).eval()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("invariant", [False, True], ids=["stock", "invariant"])
 @pytest.mark.parametrize(
     "build", [tiny_model, olmoe, mixtral], ids=["qwen3_moe", "olmoe", "mixtral"]
 )
-def test_replaying_captured_routes_reproduces_logits(build: Callable[[], torch.nn.Module]) -> None:
-    model = build()
-    ids = torch.randint(0, 256, (3, 10))
+def test_replaying_captured_routes_reproduces_logits(
+    build: Callable[[], torch.nn.Module], invariant: bool, device: str
+) -> None:
+    model = build().to(device)
+    if invariant:
+        enable_batch_invariant(model)
+    ids = torch.randint(0, 256, (3, 10)).to(device)
     with torch.no_grad(), capture_routes(model) as recorder:
         captured = model(input_ids=ids).logits
     routes = recorder.steps[0].routes  # (B, T, L, K) int16
@@ -57,9 +66,10 @@ def test_replaying_captured_routes_reproduces_logits(build: Callable[[], torch.n
     assert torch.equal(replayed, captured)
 
 
-def test_forced_routes_change_output_and_router_gets_gradient() -> None:
-    model = tiny_model()
-    ids = torch.randint(0, 512, (2, 8))
+@pytest.mark.parametrize("device", DEVICES)
+def test_forced_routes_change_output_and_router_gets_gradient(device: str) -> None:
+    model = tiny_model().to(device)
+    ids = torch.randint(0, 512, (2, 8)).to(device)
     with torch.no_grad(), capture_routes(model) as recorder:
         captured = model(input_ids=ids).logits
     forced = (recorder.steps[0].routes.long() + 3) % 8  # other experts everywhere
@@ -90,10 +100,11 @@ def test_replay_rejects_misaligned_routes() -> None:
             model(input_ids=torch.randint(0, 512, (2, 6)))
 
 
-def test_decode_capture_equals_full_sequence_capture() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_capture_equals_full_sequence_capture(device: str) -> None:
     """Left-padded prefill + incremental decode records, per real token, the same experts as
     one right-padded full-sequence forward (batch-invariant mode)."""
-    model = enable_batch_invariant(tiny_model())
+    model = enable_batch_invariant(tiny_model().to(device))
     seqs, prompt_lens = random_sequences(6, seed=5)
     _, decoded = decode_logprobs(model, seqs, prompt_lens)
     length = max(len(s) for s in seqs)
@@ -102,7 +113,7 @@ def test_decode_capture_equals_full_sequence_capture() -> None:
     for b, s in enumerate(seqs):
         ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
     with torch.no_grad(), capture_routes(model) as recorder:
-        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids.to(device), attention_mask=mask.to(device))
     full = recorder.sequences()
     for b, s in enumerate(seqs):
         assert decoded[b].shape == (len(s) - 1, 4, 2)  # the last token is never fed in decode
