@@ -15,6 +15,7 @@ import hashlib
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,13 @@ from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.tasks import Task
-from simulate.tools import ToolParseError, ToolResult, ToolWorkspace, parse_tool_call
+from simulate.tools import (
+    SOLUTION_FILE,
+    ToolParseError,
+    ToolResult,
+    ToolWorkspace,
+    parse_tool_call,
+)
 
 SYSTEM_PROMPT = "Tools: apply_edit or write_file solution.py, run_tests, finish."
 
@@ -148,13 +155,27 @@ def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:
     return segments
 
 
-async def pass_at_1(harness: Harness, tasks: list[Task], *, cache: SandboxCache,
-                    workdir: Path | None = None, seed: int = 0) -> float:
-    """Fraction of `tasks` solved by one episode each (greedy when the harness temperature
-    is 0): every test passes on the final workspace."""
+@dataclass(frozen=True)
+class TaskOutcome:
+    """One evaluation episode: whether every test passed, and the final solution file."""
+
+    task_id: str
+    passed: bool
+    solution: str
+
+
+async def run_once(harness: Harness, tasks: list[Task], *, cache: SandboxCache,
+                   workdir: Path | None = None, seed: int = 0) -> list[TaskOutcome]:
+    """One episode per task (greedy when the harness temperature is 0), scored on the final
+    workspace."""
     with tempfile.TemporaryDirectory(dir=workdir, prefix="eval-") as tmp:
         envs = [TaskEnvironment(t, Path(tmp) / str(i), cache) for i, t in enumerate(tasks)]
         await asyncio.gather(*(harness.run(env, task_id=env.task.task_id, seed=seed + i)
                                for i, env in enumerate(envs)))
-        passed = [env.test_result().status == "passed" for env in envs]
-    return sum(passed) / max(1, len(passed))
+        return [TaskOutcome(env.task.task_id, env.test_result().status == "passed",
+                            (env.workspace.root / SOLUTION_FILE).read_text()) for env in envs]
+
+
+def pass_rate(outcomes: list[TaskOutcome]) -> float:
+    """pass@1 of one episode per task: the fraction whose tests all passed."""
+    return sum(o.passed for o in outcomes) / max(1, len(outcomes))

@@ -28,7 +28,15 @@ from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
 from simulate.harness import ChatTokens, Harness, HarnessConfig
-from simulate.rollouts import SandboxCache, pass_at_1, rollout_group, solved, unpack_segments
+from simulate.rollouts import (
+    SandboxCache,
+    TaskOutcome,
+    pass_rate,
+    rollout_group,
+    run_once,
+    solved,
+    unpack_segments,
+)
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
@@ -176,9 +184,10 @@ def make_engine(policy: Policy, *, seed: int) -> TorchEngine:
 
 
 def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
-             cache: SandboxCache) -> float:
+             cache: SandboxCache) -> list[TaskOutcome]:
+    """One episode per task of the first `eval_tasks` (greedy by default)."""
     harness = build_harness(engine, cfg, temperature=cfg.eval_temperature)
-    return asyncio.run(pass_at_1(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
+    return asyncio.run(run_once(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -199,6 +208,7 @@ class GrpoRun:
     rollout_idle: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out pass@1)
+    last_eval: list[TaskOutcome] = field(default_factory=list)  # per task, at evals[-1]
 
     @property
     def samples_per_s(self) -> float:
@@ -252,7 +262,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             record = {"step": run.steps, "wall_s": time.monotonic() - start} | metrics
             if eval_engine is not None and run.steps % cfg.eval_every == 0:
                 load_weights(eval_engine, policy.version, store.latest()[1])
-                record["held_out_pass_at_1"] = evaluate(eval_engine, cfg, held_out, cache)
+                run.last_eval = evaluate(eval_engine, cfg, held_out, cache)
+                record["held_out_pass_at_1"] = pass_rate(run.last_eval)
                 run.evals.append((run.steps, record["held_out_pass_at_1"]))
             run.history.append(record)
             if metrics_path is not None:
@@ -272,6 +283,22 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             w.engine.close()
         trainer.close()
     return run
+
+
+def write_outcomes(path: Path, before: list[TaskOutcome],
+                   after: list[TaskOutcome]) -> dict[str, int]:
+    """Each held-out task's greedy outcome and final solution at the mid-trained start and at
+    the end, one JSON line per task; returns how many GRPO fixed, broke, or left failing."""
+    changes = {"fixed": 0, "broken": 0, "still_failing": 0}
+    with path.open("w") as f:
+        for b, a in zip(before, after, strict=True):
+            changes["fixed"] += a.passed and not b.passed
+            changes["broken"] += b.passed and not a.passed
+            changes["still_failing"] += not (a.passed or b.passed)
+            f.write(json.dumps({"task_id": a.task_id, "passed_before": b.passed,
+                                "passed_after": a.passed, "solution_before": b.solution,
+                                "solution_after": a.solution}) + "\n")
+    return changes
 
 
 def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
@@ -320,25 +347,29 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     cache = SandboxCache()
     eval_engine = make_engine(policy, seed=cfg.seed)
     try:
-        before = evaluate(eval_engine, cfg, held_out, cache)
+        start_eval = evaluate(eval_engine, cfg, held_out, cache)
+        before = pass_rate(start_eval)
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
                        eval_engine=eval_engine,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress)
         if not run.evals or run.evals[-1][0] != run.steps:
             load_weights(eval_engine, policy.version, policy.state_dict())
-            run.evals.append((run.steps, evaluate(eval_engine, cfg, held_out, cache)))
+            run.last_eval = evaluate(eval_engine, cfg, held_out, cache)
+            run.evals.append((run.steps, pass_rate(run.last_eval)))
         after = run.evals[-1][1]
     finally:
         eval_engine.close()
     policy.save(run_dir / "model")
     plot_run(run, before, run_dir / "reward.png")
+    changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, run.last_eval)
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
                "wall_s": round(time.monotonic() - start, 1)}
     details = summary | {"midtrain_loss": mid.final_loss, "midtrain_and_eval_s": midtrain_s,
                          "samples": run.samples, "samples_per_s": run.samples_per_s,
                          "trainer_idle": run.trainer_idle, "rollout_idle": run.rollout_idle,
                          "evals": run.evals, "held_out_tasks": min(len(held_out), cfg.eval_tasks),
+                         "held_out_changes": changes,
                          "sandbox_cache_hits": cache.hits, "sandbox_runs": cache.misses,
                          "settings": json.loads(cfg.model_dump_json())}
     (run_dir / "summary.json").write_text(json.dumps(details, indent=2))

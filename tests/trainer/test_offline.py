@@ -31,3 +31,8 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert [r["step"] for r in rows] == [1, 2] and "held_out_pass_at_1" in rows[-1]
     details = json.loads((run_dir / "summary.json").read_text())
     assert details["steps"] == 2 and (run_dir / "model" / "config.json").exists()
+    held_out = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert len(held_out) == 3 and all(r["task_id"].startswith("builtin/") for r in held_out)
+    assert all("def " in r["solution_before"] and "def " in r["solution_after"] for r in held_out)
+    assert sum(r["passed_before"] for r in held_out) / 3 == summary["pass_at_1_before"]
+    assert sum(details["held_out_changes"].values()) <= 3
