@@ -7,11 +7,15 @@ Starts an embedded broker and the API (uvicorn subprocess, `--workers` processes
 `POST /v1/feedback` and `POST /v1/feedback/batch` at concurrency 32 over keep-alive HTTP/1.1
 connections (a minimal asyncio client, so the client is not what is measured), each request
 signed with HMAC-SHA256 at send time (bodies are built beforehand); then produces a session
-for every generation and times the join over everything (records/s from its first record to
-its last experience), once with one process and once with `--join-procs` processes in one
-consumer group (each on its own partitions, one shared SQLite state). Beside wall-clock rates
-it reports the CPU time each part spent per request or record (server, broker, client, join),
-which a loaded machine does not distort, and the load average. Ends with one JSON line.
+for every generation and times the join: feedback events/s from its first timed record to its
+last experience, with one process and with `--join-procs` processes in one consumer group
+(each on its own partitions, one shared SQLite state). `join_events_per_s` is the production
+order: the group reads the sessions (untimed), then the feedback backlog, so each event meets
+a stored session. `join_all_at_once_events_per_s` reads both topics at once from the start:
+most feedback then comes before its session, is stored pending and claimed later (the slow
+path, which production sees only when feedback outruns the session log). Beside wall-clock
+rates it reports the CPU time each part spent per request or event (server, broker, client,
+join), which a loaded machine does not distort, and the load average. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -144,23 +148,26 @@ def wait_healthy(port: int, timeout_s: float = 180) -> None:
 
 @dataclass
 class JoinRun:
-    """What `bench_join` measured: records/s of the whole group from its first record to the
-    last experience, and CPU microseconds per record summed over its members."""
+    """What `bench_join` measured: feedback events per second, from the group's first timed
+    record to the last experience, and CPU microseconds per feedback event summed over its
+    members (sessions read in that time included)."""
 
     procs: int
+    sessions_first: bool
     events_per_s: float
-    cpu_us_per_record: float
+    cpu_us_per_event: float
 
 
 def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
                  shared: dict[str, Any]) -> None:
     """One member of the bench's join group (a spawned process). Holds its partitions paused
     until the parent says go, so that every member is in the group before anything is read
-    (a member joining later would stop the others for a rebalance)."""
+    (a member joining later would stop the others for a rebalance). With `sessions_first`
+    it reads its sessions partitions alone, untimed, then the feedback when told."""
     from ingest.join import Join
 
     join = Join(kafka, settings, database_url=database_url)
-    go, assigned = shared["go"], shared["assigned"]
+    go, feedback_go, assigned = shared["go"], shared["feedback_go"], shared["assigned"]
 
     def hold(partitions: set[Any]) -> None:
         if not go.is_set():
@@ -174,6 +181,12 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
     join.consumer.on_revoked.append(revoked)
     while not go.is_set():
         join.consumer.poll(timeout_ms=100)  # joins the group and heartbeats; paused: no records
+    if not feedback_go.is_set():  # sessions first: read them all, untimed
+        join.consumer.resume({tp for tp in join.consumer.assignment()
+                              if tp.topic == kafka.topics.sessions})
+        while not feedback_go.is_set():
+            join.step()
+            shared["sessions"][index] = join.stats.sessions
     join.consumer.resume()
     first, cpu0 = 0.0, 0.0
     try:
@@ -191,41 +204,53 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
         join.close()
 
 
-def bench_join(settings: Settings, generations: list[str], expected: int, data: Path,
-               procs: int) -> JoinRun:
-    """Produce a session for every generation, then run `procs` join processes in one group
-    (fresh group, fresh SQLite state) until every feedback event became an experience."""
+def bench_join(settings: Settings, sessions: int, expected: int, data: Path, procs: int, *,
+               sessions_first: bool) -> JoinRun:
+    """Run `procs` join processes in one group (fresh group, fresh SQLite state) over the
+    topics until every feedback event became an experience. `sessions_first`: the members
+    read every session before the feedback (untimed), as in production, where a generation
+    is logged before anyone judges it; else they read both topics at once, and most feedback
+    comes before its session (stored, then claimed: the join's slow path)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
     join_settings = settings.join.model_copy(update={"group_id": f"bench-{uuid.uuid4().hex}"})
-    database_url = f"sqlite:///{data / f'join-{procs}.db'}"
-    shared = {"go": ctx.Event(), "stop": ctx.Event(), "assigned": ctx.Array("i", procs),
+    database_url = f"sqlite:///{data / f'join-{uuid.uuid4().hex}.db'}"
+    shared = {"go": ctx.Event(), "feedback_go": ctx.Event(), "stop": ctx.Event(),
+              "assigned": ctx.Array("i", procs), "sessions": ctx.Array("q", procs),
               "records": ctx.Array("q", procs), "experiences": ctx.Array("q", procs),
               "first": ctx.Array("d", procs), "cpu": ctx.Array("d", procs)}
     members = [ctx.Process(target=_join_member, args=(kafka, join_settings, database_url, i,
                                                       shared)) for i in range(procs)]
     for m in members:
         m.start()
+
+    def wait_for(done: Any, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not done():
+            if time.monotonic() > deadline or not all(m.is_alive() for m in members):
+                raise RuntimeError(f"join group: {what}")
+            time.sleep(0.005)
+
     partitions = 2 * kafka.topics.partitions  # sessions + feedback
-    deadline = time.monotonic() + 120
-    while not (all(shared["assigned"][:]) and sum(shared["assigned"][:]) == partitions):
-        if time.monotonic() > deadline or not all(m.is_alive() for m in members):
-            raise RuntimeError(f"join group did not form: {shared['assigned'][:]}")
-        time.sleep(0.05)
-    shared["go"].set()
-    while sum(shared["experiences"][:]) < expected:
-        if not all(m.is_alive() for m in members):
-            raise RuntimeError("a join member died")
-        time.sleep(0.005)
+    wait_for(lambda: all(shared["assigned"][:]) and sum(shared["assigned"][:]) == partitions,
+             f"did not form: {shared['assigned'][:]}")
+    if sessions_first:
+        shared["go"].set()
+        wait_for(lambda: sum(shared["sessions"][:]) >= sessions, "sessions not read")
+        shared["feedback_go"].set()
+    else:
+        shared["feedback_go"].set()
+        shared["go"].set()
+    wait_for(lambda: sum(shared["experiences"][:]) >= expected, "experiences missing")
     done = time.perf_counter()
     shared["stop"].set()
     for m in members:
         m.join(timeout=60)
-    records = sum(shared["records"][:])
     started = min(t for t in shared["first"][:] if t)
-    return JoinRun(procs, records / (done - started), sum(shared["cpu"][:]) / records * 1e6)
+    return JoinRun(procs, sessions_first, expected / (done - started),
+                   sum(shared["cpu"][:]) / expected * 1e6)
 
 
 def produce_sessions(settings: Settings, generations: list[str]) -> None:
@@ -302,13 +327,16 @@ def main() -> None:
     expected = len(warm) + args.single + n_batch_events
     try:
         produce_sessions(settings, gens)
-        runs = [bench_join(settings, gens, expected, data, n)
+        runs = [bench_join(settings, len(gens), expected, data, n, sessions_first=True)
                 for n in sorted({1, args.join_procs})]
+        worst = bench_join(settings, len(gens), expected, data, args.join_procs,
+                           sessions_first=False)
     finally:
         broker.stop()
-    for run in runs:
-        print(f"join x{run.procs}: {run.events_per_s:.0f} records/s ({expected} feedback + "
-              f"{len(gens)} sessions); CPU us/record {run.cpu_us_per_record:.1f}")
+    for run in [*runs, worst]:
+        print(f"join x{run.procs}, {'sessions first' if run.sessions_first else 'all at once'}:"
+              f" {run.events_per_s:.0f} feedback events/s ({expected} events, {len(gens)} "
+              f"sessions); CPU us/event {run.cpu_us_per_event:.1f}")
     join = runs[-1]
     print(json.dumps({"bench": "feedback", "single_rps": round(single_rps, 1),
                       "single_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
@@ -319,7 +347,8 @@ def main() -> None:
                       "batch_cpu_us_per_event": batch_cpu,
                       "join_procs": join.procs,
                       "join_events_per_s_1proc": round(runs[0].events_per_s, 1),
-                      "join_cpu_us_per_record": round(join.cpu_us_per_record, 1),
+                      "join_cpu_us_per_event": round(join.cpu_us_per_event, 1),
+                      "join_all_at_once_events_per_s": round(worst.events_per_s, 1),
                       "workers": args.workers, "cores": os.cpu_count(),
                       "loadavg_1m": round(os.getloadavg()[0], 2)}))
 

@@ -18,7 +18,9 @@ class TopicSettings(BaseModel):
     releases: str = "releases"
     rollouts: str = "rollouts"
     dlq: str = "dlq"
-    partitions: int = Field(default=3, ge=1, le=1024)
+    # 6 divides evenly among 1, 2, 3 or 6 consumers: with 3, a second join member got one
+    # partition to the first's two, and two members ran 1.2-1.5x one
+    partitions: int = Field(default=6, ge=1, le=1024)
     replication_factor: int = Field(default=1, ge=1, le=7)
 
     def names(self) -> list[str]:

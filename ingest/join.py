@@ -51,11 +51,13 @@ from ingest.events import (
 from ingest.join_state import (
     MATCHED,
     PENDING,
+    FeedbackRow,
     JoinFeedback,
     JoinOutbox,
     JoinProgress,
     JoinSession,
     OutboxRow,
+    SessionRow,
     add_to_outbox,
     claim_pending,
     claim_waiting,
@@ -292,17 +294,14 @@ class Join:
                      if f.generation_id in matches]
             pairs += [(f, matches[f.generation_id]) for f, _ in waiting]
             matched_generations = {f.generation_id for f, _ in pairs}
-            insert_new(self.db, JoinSession, [
-                {"generation_id": g, "payload": d.raw.decode(), "first_seen": now,
-                 "matched": g in matched_generations} for g, d in sessions.items()], conn)
-            insert_new(self.db, JoinFeedback, [
-                {"event_id": f.event_id, "generation_id": f.generation_id,
-                 # a matched event's payload is never read again: only pending ones keep it
-                 "payload": "" if f.generation_id in matches
-                 else feedback[f.event_id].raw.decode(),
-                 "first_seen": now,
-                 "state": MATCHED if f.generation_id in matches else PENDING}
-                for f in fresh], conn)
+            insert_new(conn, [SessionRow(g, d.raw.decode(), now, g in matched_generations)
+                              for g, d in sessions.items()])
+            # a matched event's payload is never read again: only pending ones keep it
+            insert_new(conn, [
+                FeedbackRow(f.event_id, f.generation_id, "", now, MATCHED)
+                if f.generation_id in matches else
+                FeedbackRow(f.event_id, f.generation_id, feedback[f.event_id].raw.decode(), now,
+                            PENDING) for f in fresh])
             newly = [g for g in matched_generations if not matches[g].matched]
             sessions_matched(conn, set(newly) - set(sessions))
             for g in newly:
@@ -331,14 +330,18 @@ class Join:
         rewards, now = self.settings.rewards, utcnow()
         joined, stamp, raws = joined_at_member(now), now.timestamp(), raws or {}
         stored, outgoing = [], []
+        sources: dict[str, int] = {}  # per generation: sessions have many feedback events
         for f, m in pairs:
-            source = self._partition_of(m.session.generation_id)
+            generation_id = m.session.generation_id
+            source = sources.get(generation_id)
+            if source is None:
+                source = sources[generation_id] = self._partition_of(generation_id)
             if source not in self._seqs:  # a record outside this member's partitions
                 self._seqs.update(last_seqs(conn, [source]))
             seq = self._seqs[source] = self._seqs[source] + 1
             reward, experience_id = reward_for(f, rewards), experience_id_for(f.event_id)
             raw = raws.get(f.event_id)
-            stored.append(OutboxRow(source, seq, experience_id, m.session.generation_id,
+            stored.append(OutboxRow(source, seq, experience_id, generation_id,
                                     raw.decode() if raw is not None else encode(f).decode(),
                                     reward, stamp))
             outgoing.append(_Outgoing(source, seq, experience_id, (m, f, reward, joined)))

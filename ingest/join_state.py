@@ -43,7 +43,6 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Column, Field, SQLModel, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
@@ -188,14 +187,42 @@ def open_state(url: str) -> Engine:
     return engine
 
 
-def insert_new(engine: Engine, table: type[SQLModel], rows: Sequence[dict[str, object]],
-               conn: object) -> None:
-    """INSERT rows, skipping keys that exist (the dedupe of at-least-once delivery)."""
-    if not rows:
-        return
-    dialect = sqlite if engine.dialect.name == "sqlite" else postgresql
-    stmt = dialect.insert(table.__table__).on_conflict_do_nothing()  # type: ignore[attr-defined]
-    conn.execute(stmt, list(rows))  # type: ignore[attr-defined]
+class SessionRow(NamedTuple):
+    """A join_session row, in column order."""
+
+    generation_id: str
+    payload: str
+    first_seen: float
+    matched: bool
+
+
+class FeedbackRow(NamedTuple):
+    """A join_feedback row, in column order."""
+
+    event_id: str
+    generation_id: str
+    payload: str
+    first_seen: float
+    state: str
+
+
+def _insert(conn: Connection, table: str, rows: Sequence[NamedTuple], suffix: str = "") -> None:
+    """INSERT `rows` (one NamedTuple type, fields named as the columns) as plain tuples through
+    the driver: SQLAlchemy's per-row parameter processing cost more than the insert itself."""
+    if rows:
+        fields = rows[0]._fields
+        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        conn.exec_driver_sql(f"INSERT INTO {table} ({', '.join(fields)}) "
+                             f"VALUES ({', '.join([mark] * len(fields))}){suffix}",
+                             list(rows))  # type: ignore[arg-type]
+
+
+def insert_new(conn: Connection, rows: Sequence[SessionRow] | Sequence[FeedbackRow]) -> None:
+    """INSERT session or feedback rows, skipping keys that exist (the dedupe of at-least-once
+    delivery)."""
+    if rows:
+        table = JoinSession if isinstance(rows[0], SessionRow) else JoinFeedback
+        _insert(conn, str(table.__tablename__), rows, " ON CONFLICT DO NOTHING")
 
 
 def _decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
@@ -306,12 +333,8 @@ class OutboxRow(NamedTuple):
 
 
 def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
-    """INSERT the rows, as plain tuples through the driver (the hot path of the join)."""
-    if rows:
-        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-        conn.exec_driver_sql(f"INSERT INTO join_outbox ({', '.join(OutboxRow._fields)}) "
-                             f"VALUES ({', '.join([mark] * len(OutboxRow._fields))})",
-                             list(rows))  # type: ignore[arg-type]
+    """INSERT the rows; a key that exists fails (a stale member still writing)."""
+    _insert(conn, str(JoinOutbox.__tablename__), rows)
 
 
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:

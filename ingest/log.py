@@ -257,8 +257,13 @@ class EventConsumer:
     def pause(self, partitions: set[TopicPartition]) -> None:
         self._consumer.pause(*partitions)
 
-    def resume(self) -> None:
-        self._consumer.resume(*self._consumer.assignment())
+    def resume(self, partitions: set[TopicPartition] | None = None) -> None:
+        """Resume `partitions` (default: every assigned one)."""
+        self._consumer.resume(*(self._consumer.assignment() if partitions is None
+                                else partitions))
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
 
     def close(self) -> None:
         self._consumer.close()
