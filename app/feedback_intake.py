@@ -184,11 +184,9 @@ class FeedbackIntake:
         for e in events:
             key = e.generation_id.encode("utf-8")
             records.append((partition_for(key, partitions), key, encode(e)))
-        futures = producer.send_many(topic, records)
+        queued = producer.send_many(topic, records)
         producer.flush(self.delivery_timeout_s)  # the group is the batch: no linger
-        for future in futures:
-            if not future.is_done or future.failed():
-                future.get(timeout=self.delivery_timeout_s)  # raises the broker's error
+        producer.wait(queued, self.delivery_timeout_s)  # raises the broker's error
 
     def _existing(self, event_ids: set[str]) -> set[str]:
         return self.ledger.existing(event_ids)

@@ -366,16 +366,14 @@ class Join:
         for row in sending:
             key = row.experience_id.encode()
             records.append((partition_for(key, partitions), key, row.payload()))
-        futures = producer.send_many(topic, records)
-        last = {(row.source, partition): future for row, (partition, _, _), future
-                in zip(sending, records, futures, strict=True)}
-        timeout_s = self.kafka.delivery_timeout_ms / 1000
-        if futures:
+        queued = producer.send_many(topic, records)
+        last = {(row.source, partition): q for row, (partition, _, _), q
+                in zip(sending, records, queued, strict=True)}
+        if queued:
+            timeout_s = self.kafka.delivery_timeout_ms / 1000
             producer.flush(timeout_s)
-        for future in futures:
-            if not future.is_done or future.failed():
-                future.get(timeout=timeout_s)  # raises the broker's error
-        offsets = {p: f.get(timeout=timeout_s).offset for p, f in last.items()}
+            producer.wait(queued, timeout_s)  # raises the broker's error
+        offsets = {p: producer.offset(q) for p, q in last.items()}
         marks: dict[int, int] = {}
         for row in rows:  # by seq within a source: the last one is its highest
             marks[row.source] = row.seq

@@ -296,9 +296,10 @@ def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
 
     topic = kafka.topics.experiences
     keys = [f"scan-{i}-{uuid.uuid4().hex[:6]}" for i in range(1200)]
-    futures = producer.send_many(topic, [(0, k.encode(), b"{}") for k in keys])
+    queued = producer.send_many(topic, [(0, k.encode(), b"{}") for k in keys])
     producer.flush()
-    start = futures[0].get(timeout=10).offset
+    producer.wait(queued, 10)
+    start = producer.offset(queued[0])
     assert scan_keys(kafka, topic, {0: start}) >= set(keys)
     assert scan_keys(kafka, topic, {0: start}, wanted=set(keys[:10])) >= set(keys[:10])
 

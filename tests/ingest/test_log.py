@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 
 from ingest.config import KafkaConfig
@@ -65,13 +66,28 @@ def test_send_many_lands_each_record_on_its_partition_in_order(kafka: KafkaConfi
     events = [feedback(i) for i in range(300)]
     records = [(partition_for(e.generation_id.encode(), 3), e.generation_id.encode(), encode(e))
                for e in events]
-    futures = producer.send_many(topic, records)
+    queued = producer.send_many(topic, records)
     producer.flush()
-    acks = [f.get(timeout=10) for f in futures]
-    assert [a.partition for a in acks] == [p for p, _, _ in records]
+    producer.wait(queued, 10)
+    assert [q.batch.topic_partition.partition for q in queued] == [p for p, _, _ in records]
+    offsets = [producer.offset(q) for q in queued]
     for partition in range(3):  # offsets follow the order of the call within a partition
-        offsets = [a.offset for a in acks if a.partition == partition]
-        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+        mine = [o for o, (p, _, _) in zip(offsets, records, strict=True) if p == partition]
+        assert mine == sorted(mine) and len(set(mine)) == len(mine)
     producer.close()
     got = read_raw(kafka, topic)
     assert sorted(value for _, value in got) == sorted(value for _, _, value in records)
+    # each record at the offset its handle names (read back per partition, in order)
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(3)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        at: dict[tuple[int, int], bytes] = {}
+        deadline = time.monotonic() + 30
+        while len(at) < len(records) and time.monotonic() < deadline:
+            for tp, recs in consumer.poll(timeout_ms=500).items():
+                at.update(((tp.partition, r.offset), r.value) for r in recs)
+    finally:
+        consumer.close()
+    assert all(at[(p, o)] == v for (p, _, v), o in zip(records, offsets, strict=True))
