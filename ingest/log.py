@@ -122,6 +122,10 @@ class EventProducer:
         record: a record's ack is its batch's (`wait`), its offset the batch's base offset
         plus its position (`offset`). Per-record futures and their completion callbacks were a
         sixth of the feedback endpoint's CPU. Wakes the sender once.
+
+        A batch the broker refuses as too large (a topic whose max.message.bytes is below
+        `batch_size`) is split and resent by kafka-python under new futures, so `wait` reports
+        it as not acked: the caller retries, and its consumers' dedupe absorbs the copy.
         """
         count = self.partitions(topic)  # metadata for `topic` is loaded from here on
         accumulator = self._producer._accumulator
@@ -144,7 +148,8 @@ class EventProducer:
                     batch: Any = batches[-1] if batches else None
                     for i in indices:
                         _, key, value = records[i]
-                        meta = batch.records.append(stamp, key, value, []) if batch else None
+                        meta = (batch.records.append(stamp, key, value, [])
+                                if batch is not None else None)
                         if meta is None:  # no open batch, or it is full: a new one
                             batch = ProducerBatch(tp, MemoryRecordsBuilder(
                                 config["message_version"], config["compression_attrs"],
