@@ -28,7 +28,7 @@ from sqlalchemy import event as sa_event
 from app.db import FeedbackReceipt
 from ingest.events import FeedbackReceived, encode, utcnow
 from ingest.log import EventProducer, partition_for
-from ingest.sql_ids import existing_ids
+from ingest.sql_ids import existing_ids, insert_rows
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +207,7 @@ class ReceiptLedger:
         table = FeedbackReceipt.__table__  # type: ignore[attr-defined]
         self._column = table.c.event_id
         self._to_db = table.c.received_at.type.bind_processor(db.dialect) or (lambda v: v)
-        mark = "?" if db.dialect.paramstyle == "qmark" else "%s"
-        self._insert = (f"INSERT INTO {table.name} (event_id, generation_id, kind, received_at)"
-                        f" VALUES ({mark}, {mark}, {mark}, {mark})"
-                        " ON CONFLICT (event_id) DO NOTHING")
+        self._table = table.name
         self._conn: Connection | None = None
 
     def existing(self, event_ids: set[str]) -> set[str]:
@@ -221,7 +218,8 @@ class ReceiptLedger:
         now = self._to_db(utcnow())
         rows = [(e.event_id, e.generation_id, e.kind, now) for e in events]
         with self._transaction() as conn:
-            conn.exec_driver_sql(self._insert, rows)  # type: ignore[arg-type]
+            insert_rows(conn, self._table, ("event_id", "generation_id", "kind", "received_at"),
+                        rows, skip_existing=True)
 
     @contextmanager
     def _transaction(self) -> Iterator[Connection]:

@@ -196,9 +196,7 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
             if n and not first:
                 first, cpu0 = before
                 shared["first"][index] = first
-            with shared["records"].get_lock():
-                shared["records"][index] += n
-                shared["experiences"][index] = join.stats.experiences
+            shared["experiences"][index] = join.stats.experiences  # this member's slot only
         shared["cpu"][index] = time.process_time() - cpu0 if first else 0.0
     finally:
         join.close()
@@ -219,7 +217,7 @@ def bench_join(settings: Settings, sessions: int, expected: int, data: Path, pro
     database_url = f"sqlite:///{data / f'join-{uuid.uuid4().hex}.db'}"
     shared = {"go": ctx.Event(), "feedback_go": ctx.Event(), "stop": ctx.Event(),
               "assigned": ctx.Array("i", procs), "sessions": ctx.Array("q", procs),
-              "records": ctx.Array("q", procs), "experiences": ctx.Array("q", procs),
+              "experiences": ctx.Array("q", procs),
               "first": ctx.Array("d", procs), "cpu": ctx.Array("d", procs)}
     members = [ctx.Process(target=_join_member, args=(kafka, join_settings, database_url, i,
                                                       shared)) for i in range(procs)]

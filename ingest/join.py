@@ -294,10 +294,11 @@ class Join:
                      if f.generation_id in matches]
             pairs += [(f, matches[f.generation_id]) for f, _ in waiting]
             matched_generations = {f.generation_id for f, _ in pairs}
-            insert_new(conn, [SessionRow(g, d.raw.decode(), now, g in matched_generations)
-                              for g, d in sessions.items()])
+            insert_new(conn, JoinSession, [
+                SessionRow(g, d.raw.decode(), now, g in matched_generations)
+                for g, d in sessions.items()])
             # a matched event's payload is never read again: only pending ones keep it
-            insert_new(conn, [
+            insert_new(conn, JoinFeedback, [
                 FeedbackRow(f.event_id, f.generation_id, "", now, MATCHED)
                 if f.generation_id in matches else
                 FeedbackRow(f.event_id, f.generation_id, feedback[f.event_id].raw.decode(), now,

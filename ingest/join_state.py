@@ -47,7 +47,7 @@ from sqlmodel import Column, Field, SQLModel, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
 from ingest.log import decode_all
-from ingest.sql_ids import IDS
+from ingest.sql_ids import IDS, insert_rows
 from ingest.sql_ids import chunks as _chunks
 
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
@@ -206,23 +206,12 @@ class FeedbackRow(NamedTuple):
     state: str
 
 
-def _insert(conn: Connection, table: str, rows: Sequence[NamedTuple], suffix: str = "") -> None:
-    """INSERT `rows` (one NamedTuple type, fields named as the columns) as plain tuples through
-    the driver: SQLAlchemy's per-row parameter processing cost more than the insert itself."""
-    if rows:
-        fields = rows[0]._fields
-        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-        conn.exec_driver_sql(f"INSERT INTO {table} ({', '.join(fields)}) "
-                             f"VALUES ({', '.join([mark] * len(fields))}){suffix}",
-                             list(rows))  # type: ignore[arg-type]
-
-
-def insert_new(conn: Connection, rows: Sequence[SessionRow] | Sequence[FeedbackRow]) -> None:
+def insert_new(conn: Connection, table: type[JoinSession] | type[JoinFeedback],
+               rows: Sequence[SessionRow] | Sequence[FeedbackRow]) -> None:
     """INSERT session or feedback rows, skipping keys that exist (the dedupe of at-least-once
     delivery)."""
-    if rows:
-        table = JoinSession if isinstance(rows[0], SessionRow) else JoinFeedback
-        _insert(conn, str(table.__tablename__), rows, " ON CONFLICT DO NOTHING")
+    fields = SessionRow._fields if table is JoinSession else FeedbackRow._fields
+    insert_rows(conn, str(table.__tablename__), fields, rows, skip_existing=True)
 
 
 def _decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
@@ -334,7 +323,7 @@ class OutboxRow(NamedTuple):
 
 def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
     """INSERT the rows; a key that exists fails (a stale member still writing)."""
-    _insert(conn, str(JoinOutbox.__tablename__), rows)
+    insert_rows(conn, str(JoinOutbox.__tablename__), OutboxRow._fields, rows)
 
 
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:

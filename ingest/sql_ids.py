@@ -1,4 +1,5 @@
-"""Lookups by many ids: `IN (...)` in chunks, through one expanding bind parameter.
+"""Lookups by many ids: `IN (...)` in chunks, through one expanding bind parameter; and
+many-row INSERTs of plain tuples through the driver.
 
 Shared by the join's state (`ingest.join_state`) and the feedback receipt ledger
 (`app.feedback_intake`). Defines no tables, so importing it registers nothing in SQLModel's
@@ -7,7 +8,7 @@ metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import BindParameter, Connection, bindparam, select
@@ -32,3 +33,16 @@ def existing_ids(conn: Connection, column: Any, ids: Iterable[str]) -> set[str]:
         found.update(conn.execute(select(column).where(column.in_(IDS)), {"ids": chunk})
                      .scalars())
     return found
+
+
+def insert_rows(conn: Connection, table: str, columns: Sequence[str],
+                rows: Sequence[tuple[Any, ...]], *, skip_existing: bool = False) -> None:
+    """INSERT `rows` (tuples in `columns` order) through the driver, one executemany:
+    SQLAlchemy's per-row parameter processing cost more than the insert itself. Values must
+    be what the driver takes (no type processing). `skip_existing`: rows whose key is stored
+    already are skipped (ON CONFLICT DO NOTHING), else they fail."""
+    if rows:
+        marks = ", ".join(["?" if conn.dialect.paramstyle == "qmark" else "%s"] * len(columns))
+        conn.exec_driver_sql(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})"
+                             + (" ON CONFLICT DO NOTHING" if skip_existing else ""),
+                             list(rows))  # type: ignore[arg-type]

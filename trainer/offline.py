@@ -210,6 +210,12 @@ class GrpoRun:
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out pass@1)
     last_eval: list[TaskOutcome] = field(default_factory=list)  # per task, at evals[-1]
 
+    def add_eval(self, outcomes: list[TaskOutcome]) -> float:
+        """Record a held-out evaluation at the current step; returns its pass@1."""
+        self.last_eval = outcomes
+        self.evals.append((self.steps, pass_rate(outcomes)))
+        return self.evals[-1][1]
+
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(1e-9, self.wall_s)
@@ -262,9 +268,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             record = {"step": run.steps, "wall_s": time.monotonic() - start} | metrics
             if eval_engine is not None and run.steps % cfg.eval_every == 0:
                 load_weights(eval_engine, policy.version, store.latest()[1])
-                run.last_eval = evaluate(eval_engine, cfg, held_out, cache)
-                record["held_out_pass_at_1"] = pass_rate(run.last_eval)
-                run.evals.append((run.steps, record["held_out_pass_at_1"]))
+                record["held_out_pass_at_1"] = run.add_eval(
+                    evaluate(eval_engine, cfg, held_out, cache))
             run.history.append(record)
             if metrics_path is not None:
                 append_metrics(metrics_path, record)
@@ -355,8 +360,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress)
         if not run.evals or run.evals[-1][0] != run.steps:
             load_weights(eval_engine, policy.version, policy.state_dict())
-            run.last_eval = evaluate(eval_engine, cfg, held_out, cache)
-            run.evals.append((run.steps, pass_rate(run.last_eval)))
+            run.add_eval(evaluate(eval_engine, cfg, held_out, cache))
         after = run.evals[-1][1]
     finally:
         eval_engine.close()

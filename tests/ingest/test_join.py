@@ -269,7 +269,7 @@ def test_the_sweep_matches_feedback_whose_session_another_member_stored(
         clock: Clock) -> None:
     """Two members can each store their half of a generation while its partition moves
     between them; the sweep joins the halves, once, even when both members sweep."""
-    from ingest.join_state import SessionRow, insert_new
+    from ingest.join_state import JoinSession, SessionRow, insert_new
 
     event = feedback("gen-r")
     producer.send(kafka.topics.feedback, "gen-r", event).get(timeout=10)
@@ -278,7 +278,8 @@ def test_the_sweep_matches_feedback_whose_session_another_member_stored(
     assert first.stats.experiences == 0
     session = synthetic_session("gen-r", np.random.default_rng(6))
     with second.db.begin() as conn:  # the other member stored the session, saw no feedback
-        insert_new(conn, [SessionRow("gen-r", session.model_dump_json(), clock(), False)])
+        insert_new(conn, JoinSession,
+                   [SessionRow("gen-r", session.model_dump_json(), clock(), False)])
     clock.now += 10  # past sweep_every_s: the next step sweeps
     first.step()
     second.step()
