@@ -1,7 +1,11 @@
 """Sync vs pipelined (async) GRPO for the same wall time, from the same mid-trained start.
 
 Prints trainer idle fraction, rollout idle fraction, samples/s and reward reached per mode,
-the async/sync samples/s ratio, and ends with one JSON line.
+the async/sync samples/s ratio, and ends with one JSON line. "Reward reached" is the final
+policy's expected reward on one fixed list of train tasks (`--eval-tasks` tasks x
+`--eval-samples` episodes at the training temperature), the same list for both modes; the mean
+rollout reward of each run's last 5 steps is printed too, but it depends on which tasks those
+steps drew.
 
     .venv/bin/python bench/pipeline.py --seconds 120 [--model-dir data/models/base]
 """
@@ -25,15 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--midtrain-steps", type=int, help="default: bootstrap.midtrain_steps")
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--eval-tasks", type=int, default=32)
+    parser.add_argument("--eval-samples", type=int, default=4)
     args = parser.parse_args(argv)
     settings = Settings()
 
+    import random
+
     import torch
 
-    from simulate.rollouts import SandboxCache
+    from simulate.rollouts import SandboxCache, pass_rate
     from trainer.init_model import init_model
     from trainer.midtrain import midtrained_start
-    from trainer.offline import run_grpo
+    from trainer.offline import evaluate, make_engine, mean_reward, run_grpo
 
     cfg = settings.bootstrap.model_copy(update={"time_budget_s": args.seconds,
                                                 "max_staleness": args.max_staleness})
@@ -41,14 +49,26 @@ def main(argv: list[str] | None = None) -> int:
                                              Path(tempfile.mkdtemp()) / "base")
     torch.set_num_threads(cfg.torch_threads)
     start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
-    results = {}
+    eval_tasks = random.Random(cfg.seed).sample(start.train, min(args.eval_tasks,
+                                                                  len(start.train)))
+    results, reached, held_out = {}, {}, {}
     for mode in ("sync", "async"):
-        run = run_grpo(start.policy(lr=cfg.lr), cfg.model_copy(update={"mode": mode}),
-                       start.train, start.held_out, cache=SandboxCache(), progress=False)
+        policy = start.policy(lr=cfg.lr)
+        cache = SandboxCache()
+        run = run_grpo(policy, cfg.model_copy(update={"mode": mode}), start.train,
+                       start.held_out, cache=cache, progress=False)
         results[mode] = run
+        reached[mode] = mean_reward(policy, cfg, eval_tasks, samples=args.eval_samples,
+                                    cache=cache)
+        engine = make_engine(policy, seed=cfg.seed)
+        try:
+            held_out[mode] = pass_rate(evaluate(engine, cfg, start.held_out, cache))
+        finally:
+            engine.close()
         print(f"{mode:5s}: steps {run.steps:3d}  samples/s {run.samples_per_s:6.2f}  "
               f"trainer idle {run.trainer_idle:5.1%}  rollout idle {run.rollout_idle:5.1%}  "
-              f"reward {run.final_reward():.3f}", flush=True)
+              f"reward reached {reached[mode]:.3f}  last-5-steps rollout reward "
+              f"{run.final_reward():.3f}  held-out pass@1 {held_out[mode]:.3f}", flush=True)
     sync, pipelined = results["sync"], results["async"]
     ratio = pipelined.samples_per_s / max(1e-9, sync.samples_per_s)
     print(f"async/sync samples/s: {ratio:.2f}x (2 shared CPU cores: noisy)")
@@ -56,8 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                       "async_samples_per_s": round(pipelined.samples_per_s, 3),
                       "ratio": round(ratio, 3), "trainer_idle_sync": round(sync.trainer_idle, 3),
                       "trainer_idle_async": round(pipelined.trainer_idle, 3),
-                      "reward_sync": round(sync.final_reward(), 3),
-                      "reward_async": round(pipelined.final_reward(), 3)}))
+                      "rollout_idle_sync": round(sync.rollout_idle, 3),
+                      "rollout_idle_async": round(pipelined.rollout_idle, 3),
+                      "reward_sync": round(reached["sync"], 3),
+                      "reward_async": round(reached["async"], 3),
+                      "last_steps_reward_sync": round(sync.final_reward(), 3),
+                      "last_steps_reward_async": round(pipelined.final_reward(), 3),
+                      "held_out_pass_at_1_sync": round(held_out["sync"], 3),
+                      "held_out_pass_at_1_async": round(held_out["async"], 3),
+                      "steps_sync": sync.steps, "steps_async": pipelined.steps}))
     return 0
 
 

@@ -20,8 +20,8 @@ class BootstrapSettings(BaseModel):
     tasks: TaskSourceConfig = Field(default_factory=BuiltinTasksConfig)
     seed: int = 0
     # mid-training
-    # 350 steps: the copy-the-parameter circuit is forming (held-out greedy pass@1 20-60%
-    # depending on the CPU's kernels); GRPO on practice tasks finishes it. docs/bootstrap.md.
+    # 350 steps: the copy-the-parameter circuit is forming (held-out greedy pass@1 28-51%
+    # depending on the CPU's kernels); GRPO finishes it. docs/bootstrap.md.
     midtrain_steps: int = Field(default=350, ge=0)
     midtrain_batch: int = Field(default=16, ge=1)
     midtrain_lr: float = Field(default=3e-3, gt=0)  # peak, after a 10-step warm-up
@@ -29,11 +29,16 @@ class BootstrapSettings(BaseModel):
     midtrain_practice: bool = True  # add the source's practice tasks to the corpus
     # GRPO
     mode: Literal["async", "sync"] = "async"
-    grpo_practice: bool = True  # GRPO samples practice tasks too, not only the train split
+    # GRPO samples practice tasks too, not only the train split. Off: on an AMD EPYC the
+    # same start (50.9%) ended at 60.4% with them and 71.7% without (docs/bootstrap.md)
+    grpo_practice: bool = False
     group_size: int = Field(default=8, ge=2, le=128)
     groups_per_step: int = Field(default=4, ge=1)
     max_staleness: int = Field(default=1, ge=0)
     lr: float = Field(default=3e-4, gt=0)  # 1e-3 collapsed the mid-trained policy
+    # the rate decays by cosine to lr_floor x lr over the run (its time budget or max_steps,
+    # whichever is nearer). 1: constant. 0.1 steadied the last steps but ended lower (docs)
+    lr_floor: float = Field(default=1.0, gt=0, le=1)
     temperature: float = Field(default=1.0, gt=0, le=2.0)
     max_tokens: int = Field(default=64, ge=4)  # per turn; the longest edit is ~50
     max_turns: int = Field(default=3, ge=1)

@@ -68,8 +68,12 @@ def lr_factor(step: int, steps: int, *, warmup: int = 10, floor: float = 0.1) ->
     and quiet last steps that do not undo the early ones."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cosine_factor((step - warmup) / max(1, steps - warmup), floor=floor)
+
+
+def cosine_factor(progress: float, *, floor: float) -> float:
+    """1 at progress 0, down a half cosine to `floor` at progress 1 (and after)."""
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass

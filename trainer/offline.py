@@ -40,6 +40,7 @@ from simulate.rollouts import (
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
+from trainer.midtrain import cosine_factor
 from trainer.pipeline import PipelineClosedError, Slot, StalenessGate
 from trainer.policy import Policy
 
@@ -190,6 +191,26 @@ def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
     return asyncio.run(run_once(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
 
 
+def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, samples: int,
+                cache: SandboxCache) -> float:
+    """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
+    the training temperature. Comparing runs on one fixed task list removes the noise of
+    which tasks each run's last steps happened to draw."""
+    engine = make_engine(policy, seed=cfg.seed)
+    try:
+        harness = build_harness(engine, cfg, temperature=cfg.temperature)
+
+        async def groups() -> list[RolloutGroup]:
+            return list(await asyncio.gather(*(
+                rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
+                for i, task in enumerate(tasks))))
+
+        rewards = [t.reward for g in asyncio.run(groups()) for t in g.trajectories]
+    finally:
+        engine.close()
+    return sum(rewards) / max(1, len(rewards))
+
+
 def json_line(record: dict[str, Any]) -> str:
     return json.dumps(record, sort_keys=False)
 
@@ -260,12 +281,16 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
                 groups = gate.take_step(step)
             except PipelineClosedError:
                 raise RuntimeError(f"rollout workers failed: {workers[0].errors}") from None
+            spent = max((time.monotonic() - start) / cfg.time_budget_s,
+                        run.steps / cfg.max_steps)  # of the run's budget
+            lr = cfg.lr * cosine_factor(spent, floor=cfg.lr_floor)
+            policy.set_lr(lr)
             metrics = trainer.step(groups)
             store.put(policy.version, trainer.state_dict())
             gate.publish(policy.version)
             run.steps += 1
             run.samples += sum(len(g.trajectories) for g in groups)
-            record = {"step": run.steps, "wall_s": time.monotonic() - start} | metrics
+            record = {"step": run.steps, "wall_s": time.monotonic() - start, "lr": lr} | metrics
             if eval_engine is not None and run.steps % cfg.eval_every == 0:
                 load_weights(eval_engine, policy.version, store.latest()[1])
                 record["held_out_pass_at_1"] = run.add_eval(

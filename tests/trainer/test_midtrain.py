@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import BuiltinTasksConfig, HumanEvalConfig, build_task_source
@@ -53,9 +55,9 @@ def test_corpus_adds_practice_tasks_only_when_asked() -> None:
     assert len(with_practice) == len(train) + len(source.practice_tasks())
     assert not {t.task_id for t in with_practice} & held_out
     assert corpus_tasks(BootstrapSettings(midtrain_practice=False), source, train) == train
-    pool = rl_tasks(BootstrapSettings(), source, train)
+    pool = rl_tasks(BootstrapSettings(grpo_practice=True), source, train)
     assert len(pool) == len(with_practice) and not {t.task_id for t in pool} & held_out
-    assert rl_tasks(BootstrapSettings(grpo_practice=False), source, train) == train
+    assert rl_tasks(BootstrapSettings(), source, train) == train  # the default: train only
 
 
 def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
@@ -63,3 +65,13 @@ def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
 
     assert [lr_factor(s, 100, floor=1.0) for s in (0, 9, 10, 50, 99)] == [0.1, 1.0, 1.0, 1.0, 1.0]
     assert lr_factor(99, 100) < 0.2  # the default still decays
+
+
+def test_cosine_factor_runs_from_one_to_the_floor_and_stays() -> None:
+    """GRPO's schedule (`lr_floor`): progress is the run's fraction of its budget."""
+    from trainer.midtrain import cosine_factor
+
+    assert cosine_factor(0.0, floor=0.1) == 1.0
+    assert cosine_factor(0.5, floor=0.1) == pytest.approx(0.55)
+    assert cosine_factor(1.0, floor=0.1) == cosine_factor(1.7, floor=0.1) == pytest.approx(0.1)
+    assert cosine_factor(0.3, floor=1.0) == 1.0

@@ -36,3 +36,21 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert all("def " in r["solution_before"] and "def " in r["solution_after"] for r in held_out)
     assert sum(r["passed_before"] for r in held_out) / 3 == summary["pass_at_1_before"]
     assert sum(details["held_out_changes"].values()) <= 3
+
+
+def test_mean_reward_is_the_seeded_expected_reward_on_a_fixed_task_list(model_dir: Path) -> None:
+    """What bench/pipeline.py compares sync and async by: the same tasks and seeds give the
+    same figure, and every episode's reward is counted."""
+    from simulate.rollouts import SandboxCache
+    from simulate.tasks import BuiltinTaskSource
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.offline import mean_reward
+    from trainer.policy import Policy
+
+    cfg = BootstrapSettings(max_tokens=8, max_turns=2)
+    policy = Policy.load(model_dir, lr=cfg.lr)
+    tasks = BuiltinTaskSource(0.2).split("train")[:2]
+    cache = SandboxCache()
+    first = mean_reward(policy, cfg, tasks, samples=2, cache=cache)
+    assert 0.0 <= first <= 1.0 and cache.misses + cache.hits >= 4  # every episode scored
+    assert mean_reward(policy, cfg, tasks, samples=2, cache=SandboxCache()) == first
