@@ -131,17 +131,16 @@ def joined_at_member(joined_at: datetime) -> bytes:
 
 
 def experience_json(session: GenerationLogged, members: bytes, feedback: FeedbackReceived,
-                    reward: float, joined: bytes, experience_id: str | None = None) -> bytes:
+                    reward: float, joined: bytes) -> bytes:
     """`encode(build_experience(session, feedback, reward))` up to member order, from the
     session's pre-serialized members and `joined_at_member(...)`: only the feedback's few
-    fields are serialized here. SPLICED_FIELDS must stay all of ExperienceReady's fields.
-    `experience_id`: `experience_id_for(feedback.event_id)`, where the caller has it."""
+    fields are serialized here. SPLICED_FIELDS must stay all of ExperienceReady's fields."""
     value = feedback.value
     if not math.isfinite(reward) or (value is not None and not math.isfinite(value)):
         return encode(build_experience(session, feedback, reward))  # pydantic's rules for them
     string = _json_string
     head = (f'{{"event":"ExperienceReady","schema_version":{SCHEMA_VERSION},'
-            f'"experience_id":{string(experience_id or experience_id_for(feedback.event_id))},'
+            f'"experience_id":{string(experience_id_for(feedback.event_id))},'
             f'"generation_id":{string(session.generation_id)},'
             f'"feedback_event_ids":[{string(feedback.event_id)}],'
             f'"feedback_kind":{string(feedback.kind)},'
@@ -183,8 +182,7 @@ class _Outgoing:
 
     def payload(self) -> bytes:
         match, feedback, reward, joined = self.parts
-        return experience_json(match.session, match.members, feedback, reward, joined,
-                               self.experience_id)
+        return experience_json(match.session, match.members, feedback, reward, joined)
 
 
 class RecentSessions:

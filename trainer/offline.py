@@ -254,7 +254,6 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
 
     loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
     trainer = OfflineTrainer(policy, loss, temperature=cfg.temperature)
-    policy.set_lr(cfg.lr)
     gate: StalenessGate[RolloutGroup] = StalenessGate(
         groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
         version=policy.version)
