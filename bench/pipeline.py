@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = run
         reached[mode] = mean_reward(policy, cfg, eval_tasks, samples=args.eval_samples,
                                     cache=cache)
-        engine = make_engine(policy, seed=cfg.seed)
+        engine = make_engine(policy, cfg, seed=cfg.seed)
         try:
             held_out[mode] = pass_rate(evaluate(engine, cfg, start.held_out, cache))
         finally:

@@ -7,7 +7,9 @@ every active row (`serving.batching.PaddedKVBatch`), sample each row with its ow
 generator, let finished or cancelled rows leave. A request's tokens and logprobs therefore do
 not depend on what else is in the batch beyond float tolerance (bitwise with
 `batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
-token with kernels/moe_replay.
+token with kernels/moe_replay. With `prefix_cache_tokens`, a prompt that starts with a
+sequence computed recently (the previous turn of a conversation, the same prompt sampled again)
+prefills only its new tokens (serving/prefix_cache.py).
 
     engine = TorchEngine.load(Path("data/models/base"), max_batch=32)
     result = await engine.generate(GenerationRequest(prompt_token_ids=[...], max_tokens=32))
@@ -46,6 +48,7 @@ from serving.engine import (
     SwapTiming,
     TopLogprobs,
 )
+from serving.prefix_cache import PrefixCache
 from serving.sampling import sample_next, top_alternatives
 
 log = logging.getLogger(__name__)
@@ -75,10 +78,18 @@ class _Sequence:
     tops: list[TopLogprobs] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # each (n, L, K) int16
     cancelled: bool = False
+    weights_epoch: int = 0  # the engine's weights when prefilled: cache its KV only if current
 
     def send(self, item: GenerationDelta | Exception) -> None:
         with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody waits
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+def _row_kv(cache: Any, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `row`'s keys/values over its last `length` columns (rows are left-padded), as views
+    (1, H, length, D) per layer."""
+    return [(layer.keys[row:row + 1, :, -length:], layer.values[row:row + 1, :, -length:])
+            for layer in cache.layers]
 
 
 @contextlib.contextmanager
@@ -97,7 +108,11 @@ class TorchEngine:
     """Generates with a transformers model; `version` names the weights it serves."""
 
     def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0, seed: int = 0,
-                 max_batch: int = 32, batch_invariant: bool = False) -> None:
+                 max_batch: int = 32, batch_invariant: bool = False,
+                 prefix_cache_tokens: int = 0) -> None:
+        if batch_invariant and prefix_cache_tokens:
+            raise ValueError("prefix caching reuses keys/values from other forward passes, so "
+                             "it cannot be bitwise batch-invariant: choose one")
         self.model = model.eval()
         if batch_invariant:
             from kernels.batch_invariant import enable_batch_invariant
@@ -116,6 +131,8 @@ class TorchEngine:
         self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
         self._pending_swap: _Swap | None = None
         self._batch = PaddedKVBatch()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self._weights_epoch = 0  # bumped by every call or swap that may change the weights
         self._closed = threading.Event()
         self.on_step: Callable[[int], None] | None = None  # called with the decode batch size
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -124,7 +141,7 @@ class TorchEngine:
     @classmethod
     def load(cls, model_dir: Path, *, version_number: int = 0, seed: int = 0,
              threads: int | None = None, max_batch: int = 32,
-             batch_invariant: bool = False) -> TorchEngine:
+             batch_invariant: bool = False, prefix_cache_tokens: int = 0) -> TorchEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -136,7 +153,8 @@ class TorchEngine:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return cls(model, tokenizer, version_number=version_number, seed=seed,
-                   max_batch=max_batch, batch_invariant=batch_invariant)
+                   max_batch=max_batch, batch_invariant=batch_invariant,
+                   prefix_cache_tokens=prefix_cache_tokens)
 
     @property
     def version(self) -> ModelVersion:
@@ -242,6 +260,7 @@ class TorchEngine:
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
+                self._weights_changed()
                 try:
                     future.set_result(fn(self.model))
                 except Exception as exc:  # handed to the caller through the future
@@ -263,6 +282,7 @@ class TorchEngine:
         except Exception as exc:  # handed to the caller, who refuses the release
             swap.future.set_exception(exc)
             return False
+        self._weights_changed()
         self._version = swap.version
         done = time.perf_counter()
         swap.future.set_result(SwapTiming(paused_s=done - swap.requested_at,
@@ -288,11 +308,30 @@ class TorchEngine:
                 log.exception("prefill failed")
                 seq.send(EngineError(f"prefill failed: {exc}"))
 
+    def _weights_changed(self) -> None:
+        self._weights_epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _prefill(self, seq: _Sequence, recorder: Any) -> None:
         prompt = list(seq.request.prompt_token_ids)
-        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        seq.weights_epoch = self._weights_epoch
+        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
+        if hit is None:
+            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        else:
+            from transformers import DynamicCache
+
+            out = self.model(input_ids=torch.tensor([prompt[hit.length:]]),
+                             past_key_values=DynamicCache(hit.kv), use_cache=True,
+                             logits_to_keep=1)
         if recorder is not None:
-            seq.routes.append(recorder.pop_step().routes[0])  # (P, L, K)
+            fed = recorder.pop_step().routes[0]  # (P - reused, L, K)
+            seq.routes.append(fed if hit is None or hit.routes is None
+                              else torch.cat([hit.routes, fed]))
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(prompt, _row_kv(out.past_key_values, 0, len(prompt)),
+                                     torch.cat(seq.routes) if seq.routes else None)
         if not self._sample(seq, out.logits[0, -1]):
             self._rows.append(seq)
             self._batch.add(out.past_key_values, len(prompt))
@@ -319,8 +358,19 @@ class TorchEngine:
                 seq.routes.append(routes[b:b + 1])
             if not self._sample(seq, logits[b]):
                 keep.append(b)
+            else:
+                self._cache_finished(seq, b)
         self._rows = [rows[b] for b in keep]
         self._batch.keep(keep)
+
+    def _cache_finished(self, seq: _Sequence, row: int) -> None:
+        """Keep a finished row's keys/values: its prompt and every sampled token but the last
+        (never fed), which the next turn of its conversation starts with."""
+        if self.prefix_cache is None or seq.weights_epoch != self._weights_epoch:
+            return
+        fed = list(seq.request.prompt_token_ids) + seq.tokens[:-1]
+        kv = [(k.clone(), v.clone()) for k, v in _row_kv(self._batch.cache, row, len(fed))]
+        self.prefix_cache.insert(fed, kv, torch.cat(seq.routes) if seq.routes else None)
 
     def _drop_cancelled(self) -> None:
         keep = [b for b, seq in enumerate(self._rows) if not seq.cancelled]

@@ -53,6 +53,9 @@ class BootstrapSettings(BaseModel):
     rollout_workers: int = Field(default=1, ge=1)
     groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
     torch_threads: int = Field(default=1, ge=1)
+    # keys/values of recent sequences kept per engine (2 KB a token for the default model):
+    # later turns and a group's G copies of a prompt prefill only new tokens. 0: off
+    prefix_cache_tokens: int = Field(default=32768, ge=0)
 
     @property
     def staleness(self) -> int:

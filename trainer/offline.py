@@ -179,9 +179,9 @@ def build_harness(engine: TorchEngine, cfg: BootstrapSettings, *,
         context_budget=cfg.context_budget))
 
 
-def make_engine(policy: Policy, *, seed: int) -> TorchEngine:
+def make_engine(policy: Policy, cfg: BootstrapSettings, *, seed: int) -> TorchEngine:
     return TorchEngine(copy.deepcopy(policy.model).eval(), policy.tokenizer, seed=seed,
-                       max_batch=128)
+                       max_batch=128, prefix_cache_tokens=cfg.prefix_cache_tokens)
 
 
 def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
@@ -196,7 +196,7 @@ def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, sa
     """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
     the training temperature. Comparing runs on one fixed task list removes the noise of
     which tasks each run's last steps happened to draw."""
-    engine = make_engine(policy, seed=cfg.seed)
+    engine = make_engine(policy, cfg, seed=cfg.seed)
     try:
         harness = build_harness(engine, cfg, temperature=cfg.temperature)
 
@@ -258,7 +258,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
         version=policy.version)
     store = WeightStore(policy.version, trainer.state_dict())
-    workers = [RolloutWorker(make_engine(policy, seed=cfg.seed + i), None, gate, store,  # type: ignore[arg-type]
+    workers = [RolloutWorker(make_engine(policy, cfg, seed=cfg.seed + i), None, gate, store,  # type: ignore[arg-type]
                              train, cfg.group_size, cache, seed=cfg.seed + i,
                              groups_in_flight=cfg.groups_in_flight)
                for i in range(cfg.rollout_workers)]
@@ -374,7 +374,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         enable_batch_invariant(policy.model)
     mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train))
     cache = SandboxCache()
-    eval_engine = make_engine(policy, seed=cfg.seed)
+    eval_engine = make_engine(policy, cfg, seed=cfg.seed)
     try:
         start_eval = evaluate(eval_engine, cfg, held_out, cache)
         before = pass_rate(start_eval)
