@@ -225,9 +225,12 @@ def _wait_exit(pid: int, timeout: float) -> bool:
 def _count_uid(uid: int) -> int:
     """Running processes of `uid` (zombies excluded: they are dead, awaiting their reaper)."""
     count = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+    for pid in os.listdir("/proc"):
+        try:  # /proc/<pid> belongs to the process's uid: read the state of those only
+            if not pid.isdigit() or os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            fields = dict(line.split(":", 1)
+                          for line in Path(f"/proc/{pid}/status").read_text().splitlines())
         except (OSError, ValueError):
             continue  # exited while we looked
         alive = fields.get("State", "Z").split()[0] not in ("Z", "X")
