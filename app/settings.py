@@ -82,6 +82,14 @@ class Settings(BaseSettings):
                                  "(feedback_secrets): a JSON list of webhook HMAC secrets")
         return self
 
+    @model_validator(mode="after")
+    def _prefix_cache_is_not_bitwise(self) -> Settings:
+        if self.batch_invariant and self.engine.prefix_cache_tokens:
+            raise ValueError("FLYWHEEL_ENGINE__PREFIX_CACHE_TOKENS must be 0 with "
+                             "FLYWHEEL_BATCH_INVARIANT: a cached prefix's keys/values come "
+                             "from other forward passes, so logprobs are not bitwise equal")
+        return self
+
     # Derived locations and values: one place, so no caller re-derives them differently.
     @property
     def resolved_model_dir(self) -> Path:

@@ -16,3 +16,6 @@ class EngineSettings(BaseModel):
     default_max_tokens: int = Field(default=64, ge=1)
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
     seed: int = 0
+    # torch backend: keys/values of recent sequences kept for prompts that extend them (a
+    # conversation's next turn). 0: off; excludes bitwise batch invariance (docs/serving.md)
+    prefix_cache_tokens: int = Field(default=0, ge=0)

@@ -61,6 +61,8 @@ def test_bad_values_name_the_field() -> None:
         Settings(engine={"max_batch": 0})
     with pytest.raises(ValidationError, match="num_kv_heads"):
         Settings(model={"num_heads": 4, "num_kv_heads": 3})
+    with pytest.raises(ValidationError, match="FLYWHEEL_ENGINE__PREFIX_CACHE_TOKENS"):
+        Settings(batch_invariant=True, engine={"prefix_cache_tokens": 4096})
 
 
 def test_settings_keys_snapshot() -> None:
