@@ -7,15 +7,23 @@ true positions whatever the padding. A new row (its own prefill cache, no paddin
 left-padding whichever side is shorter; finished rows leave with `index_select`; columns that
 are padding in every remaining row are trimmed off the left. Padded keys/values are zeros and
 masked out, so a row's attention never reads another row's or a pad's values.
+
+Requests that arrive together are prefilled in one forward (`prefill_inputs`): each row's cached
+prefix (serving/prefix_cache.py) right-aligned in the past columns, its new tokens right-aligned
+in the input columns, pads masked, so every row's last column is its last prompt token.
+`joined_row_kv` then takes each row's real columns out as its own cache, to join the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from serving.prefix_cache import PrefixHit
 
 
 def _layers(cache: Any) -> list[Any]:
@@ -85,3 +93,50 @@ class PaddedKVBatch:
         """Record that the decode step appended one real column to every row."""
         self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
         self.positions = self.positions + 1
+
+
+def prefill_inputs(prompts: list[list[int]], hits: list[PrefixHit | None]) -> dict[str, Any]:
+    """Model inputs that prefill `prompts` together, each past its cached prefix (`hits`).
+
+    One row: its new tokens, on the cached keys/values if any (exactly the single-request
+    call). Several: input_ids (B, N) and position_ids (B, N) with each row's new tokens
+    right-aligned; past keys/values (B, H, C, D) with each row's cached prefix right-aligned;
+    attention_mask (B, C + N) marking both real spans. Pad ids and positions are 0, masked.
+    """
+    from transformers import DynamicCache
+
+    cached = [hit.length if hit is not None else 0 for hit in hits]
+    new = [prompt[c:] for prompt, c in zip(prompts, cached, strict=True)]
+    if len(prompts) == 1:
+        past = DynamicCache(hits[0].kv) if hits[0] is not None else None
+        return {"input_ids": torch.tensor(new), "past_key_values": past}
+    width, past_width = max(map(len, new)), max(cached)
+    inputs: dict[str, Any] = {
+        "input_ids": torch.tensor([[0] * (width - len(t)) + t for t in new]),
+        "position_ids": torch.tensor([[0] * (width - len(t)) + list(range(c, c + len(t)))
+                                      for t, c in zip(new, cached, strict=True)]),
+        "attention_mask": torch.tensor([[0] * (past_width - c) + [1] * c
+                                        + [0] * (width - len(t)) + [1] * len(t)
+                                        for t, c in zip(new, cached, strict=True)])}
+    if past_width:
+        template = next(hit.kv for hit in hits if hit is not None)
+        layers = []
+        for layer, (k0, v0) in enumerate(template):
+            keys = k0.new_zeros(len(prompts), k0.shape[1], past_width, k0.shape[3])
+            values = v0.new_zeros(len(prompts), v0.shape[1], past_width, v0.shape[3])
+            for b, hit in enumerate(hits):
+                if hit is not None:
+                    keys[b, :, past_width - hit.length:] = hit.kv[layer][0][0]
+                    values[b, :, past_width - hit.length:] = hit.kv[layer][1][0]
+            layers.append((keys, values))
+        inputs["past_key_values"] = DynamicCache(layers)
+    return inputs
+
+
+def joined_row_kv(cache: Any, row: int,
+                  inputs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `row`'s keys/values after a `prefill_inputs` forward, pads dropped: (1, H, P, D)
+    per layer, in a cache of its own."""
+    columns = inputs["attention_mask"][row].nonzero().squeeze(1)
+    return [(layer.keys[row:row + 1].index_select(2, columns),
+             layer.values[row:row + 1].index_select(2, columns)) for layer in _layers(cache)]

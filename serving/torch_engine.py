@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kernels.weights import state_dict_sha256
-from serving.batching import PaddedKVBatch
+from serving.batching import PaddedKVBatch, joined_row_kv, prefill_inputs
 from serving.detokenize import TextTracker
 from serving.engine import (
     EngineClosedError,
@@ -114,6 +114,7 @@ class TorchEngine:
             raise ValueError("prefix caching reuses keys/values from other forward passes, so "
                              "it cannot be bitwise batch-invariant: choose one")
         self.model = model.eval()
+        self._bitwise = batch_invariant  # prefill each request alone
         if batch_invariant:
             from kernels.batch_invariant import enable_batch_invariant
 
@@ -133,6 +134,7 @@ class TorchEngine:
         self._batch = PaddedKVBatch()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._weights_epoch = 0  # bumped by every call or swap that may change the weights
+        self.prefilled_tokens = 0  # prompt tokens fed through the model (cached ones are not)
         self._closed = threading.Event()
         self.on_step: Callable[[int], None] | None = None  # called with the decode batch size
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -291,20 +293,47 @@ class TorchEngine:
 
     def _admit(self, recorder: Any) -> None:
         block = not self._rows
-        while len(self._rows) < self.max_batch:
+        joining: list[_Sequence] = []
+        while len(self._rows) + len(joining) < self.max_batch:
             try:
                 seq = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             block = False
             if seq is None:
-                return
+                break
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue
+            joining.append(seq)
+        for wave in self._waves(joining):
+            self._prefill_wave(wave, recorder)
+
+    def _waves(self, joining: list[_Sequence]) -> list[list[_Sequence]]:
+        """With a prefix cache, repeats of a prompt (a GRPO group's G copies) wait for the
+        first copy's prefill, then reuse all of it but the last token."""
+        if self.prefix_cache is None:
+            return [joining]
+        first: list[_Sequence] = []
+        repeats: list[_Sequence] = []
+        seen: set[tuple[int, ...]] = set()
+        for seq in joining:
+            prompt = tuple(seq.request.prompt_token_ids)
+            (repeats if prompt in seen else first).append(seq)
+            seen.add(prompt)
+        return [wave for wave in (first, repeats) if wave]
+
+    def _prefill_wave(self, wave: list[_Sequence], recorder: Any) -> None:
+        if len(wave) > 1 and not self._bitwise:
+            try:  # one forward for every request that arrived since the last step
+                self._prefill(wave, recorder)
+                return
+            except Exception:  # e.g. out of memory: try them one by one
+                log.exception("batched prefill failed; prefilling one request at a time")
+        for seq in wave:  # alone: bitwise the same whatever else is waiting
             try:
-                self._prefill(seq, recorder)
-            except Exception as exc:  # this request fails; the batch goes on
+                self._prefill([seq], recorder)
+            except Exception as exc:  # its forward failed; the batch goes on
                 log.exception("prefill failed")
                 seq.send(EngineError(f"prefill failed: {exc}"))
 
@@ -313,28 +342,43 @@ class TorchEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _prefill(self, seq: _Sequence, recorder: Any) -> None:
-        prompt = list(seq.request.prompt_token_ids)
-        seq.weights_epoch = self._weights_epoch
-        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
-        if hit is None:
-            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-        else:
-            from transformers import DynamicCache
+    def _prefill(self, seqs: list[_Sequence], recorder: Any) -> None:
+        """Feed `seqs`' prompts, past any cached prefix, in one forward (rows padded as in
+        `serving.batching.prefill_inputs`), then each row samples its first token and, unless
+        finished, joins the decode batch. Raises only if the forward fails (nothing joined)."""
+        from transformers import DynamicCache
 
-            out = self.model(input_ids=torch.tensor([prompt[hit.length:]]),
-                             past_key_values=DynamicCache(hit.kv), use_cache=True,
-                             logits_to_keep=1)
-        if recorder is not None:
-            fed = recorder.pop_step().routes[0]  # (P - reused, L, K)
-            seq.routes.append(fed if hit is None or hit.routes is None
-                              else torch.cat([hit.routes, fed]))
+        prompts = [list(seq.request.prompt_token_ids) for seq in seqs]
+        hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
+                for p in prompts]
+        inputs = prefill_inputs(prompts, hits)
+        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        routes = recorder.pop_step().routes if recorder is not None else None  # (B, N, L, K)
+        for b, (seq, prompt, hit) in enumerate(zip(seqs, prompts, hits, strict=True)):
+            try:
+                new = len(prompt) - (hit.length if hit is not None else 0)
+                self.prefilled_tokens += new
+                if routes is not None:
+                    fed = routes[b, routes.shape[1] - new:]  # (new, L, K)
+                    seq.routes.append(fed if hit is None or hit.routes is None
+                                      else torch.cat([hit.routes, fed]))
+                row = (out.past_key_values if len(seqs) == 1
+                       else DynamicCache(joined_row_kv(out.past_key_values, b, inputs)))
+                self._join(seq, prompt, row, out.logits[b, -1])
+            except Exception as exc:  # this request fails; the others join
+                log.exception("prefill failed")
+                seq.send(EngineError(f"prefill failed: {exc}"))
+
+    def _join(self, seq: _Sequence, prompt: list[int], row: Any, logits: torch.Tensor) -> None:
+        """A prefilled request: cache its keys/values, sample its first token, and unless that
+        finished it, add its row (a batch-1 cache over the prompt) to the decode batch."""
+        seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, _row_kv(out.past_key_values, 0, len(prompt)),
+            self.prefix_cache.insert(prompt, _row_kv(row, 0, len(prompt)),
                                      torch.cat(seq.routes) if seq.routes else None)
-        if not self._sample(seq, out.logits[0, -1]):
+        if not self._sample(seq, logits):
             self._rows.append(seq)
-            self._batch.add(out.past_key_values, len(prompt))
+            self._batch.add(row, len(prompt))
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows

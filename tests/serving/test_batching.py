@@ -65,6 +65,25 @@ def test_batched_requests_match_running_alone(engine: TorchEngine) -> None:
     assert wait_idle(engine)
 
 
+def test_requests_that_arrive_together_are_prefilled_together_and_match_alone(
+        engine: TorchEngine) -> None:
+    alone = [asyncio.run(engine.generate(request(i))) for i in range(4)]
+    fed = engine.prefilled_tokens
+
+    async def together() -> list[GenerationResult]:  # all in the inbox before the next step
+        return list(await asyncio.gather(*(engine.generate(request(i)) for i in range(4))))
+
+    for a, b in zip(alone, asyncio.run(together()), strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        assert b.routed_experts is not None and a.routed_experts is not None
+        assert b.routed_experts.shape == a.routed_experts.shape  # no route rows for pads
+        assert (b.routed_experts == a.routed_experts).all()
+    assert engine.prefilled_tokens - fed == sum(len(request(i).prompt_token_ids)
+                                                for i in range(4))
+    assert wait_idle(engine)
+
+
 def test_batch_invariant_mode_is_bitwise(model_dir: Path) -> None:
     pytest.importorskip("kernels.batch_invariant")
     engine = TorchEngine.load(model_dir, max_batch=4, batch_invariant=True)

@@ -97,6 +97,25 @@ def test_cached_prefills_match_an_engine_without_the_cache(model_dir: Path) -> N
         # the group's copies: all but the prompt's last token; the next turns: the prompt and
         # every generated token but the last, which was sampled and never fed
         assert pc.reused_tokens == 3 * 54 + sum(55 + len(r.token_ids) - 1 for r in first)
+        fed = sum(len(p) for p in group + turn_two)
+        assert plain.prefilled_tokens == fed
+        assert cached.prefilled_tokens == fed - pc.reused_tokens
+    finally:
+        plain.close()
+        cached.close()
+
+
+def test_a_wave_of_hits_and_misses_is_prefilled_in_one_forward(model_dir: Path) -> None:
+    plain = TorchEngine.load(model_dir, max_batch=8)
+    cached = TorchEngine.load(model_dir, max_batch=8, prefix_cache_tokens=4096)
+    try:
+        history = [list(range(5, 40)), list(range(9, 70))]
+        generate(cached, history)
+        # two continuations of different cached lengths, and a prompt never seen
+        wave = [history[0] + [3, 4], history[1] + list(range(300, 320)), list(range(80, 100))]
+        assert_same(generate(plain, wave), generate(cached, wave))
+        pc = cached.prefix_cache
+        assert pc is not None and pc.hits == 2
     finally:
         plain.close()
         cached.close()
