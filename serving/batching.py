@@ -52,20 +52,38 @@ class PaddedKVBatch:
 
     def add(self, row_cache: Any, length: int) -> None:
         """Append one row: `row_cache` is a batch-1 DynamicCache over `length` real tokens."""
-        if self.cache is None or len(self) == 0:
-            self.cache = row_cache
-            self.mask = torch.ones(1, length, dtype=torch.long)
-            self.positions = torch.tensor([length], dtype=torch.long)
+        self.extend([(row_cache, length)])
+
+    def extend(self, rows: Sequence[tuple[Any, int]]) -> None:
+        """Append rows, each (batch-1 DynamicCache, real tokens), copying the batch once."""
+        if not rows:
             return
-        width = max(self.width, length)
-        for mine, theirs in zip(_layers(self.cache), _layers(row_cache), strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width - self.width),
-                                   _left_pad(theirs.keys, width - length)])
-            mine.values = torch.cat([_left_pad(mine.values, width - self.width),
-                                     _left_pad(theirs.values, width - length)])
-        row_mask = F.pad(torch.ones(1, length, dtype=torch.long), (width - length, 0))
-        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), row_mask])
-        self.positions = torch.cat([self.positions, torch.tensor([length])])
+        lengths = [length for _, length in rows]
+        if self.cache is None or len(self) == 0:
+            if len(rows) == 1:  # the row's own cache becomes the batch: no copy
+                self.cache = rows[0][0]
+                self.mask = torch.ones(1, lengths[0], dtype=torch.long)
+                self.positions = torch.tensor(lengths, dtype=torch.long)
+                return
+            self.__init__()  # type: ignore[misc]
+            self.cache = rows[0][0]  # its layers take the joined tensors below
+            mine_layers: list[Any] = [None] * len(_layers(self.cache))
+        else:
+            mine_layers = _layers(self.cache)
+        old = self.width
+        width = max([old, *lengths])
+        theirs = [_layers(cache) for cache, _ in rows]
+        for i, layer in enumerate(_layers(self.cache)):
+            mine = mine_layers[i]
+            keys = [_left_pad(mine.keys, width - old)] if mine is not None else []
+            values = [_left_pad(mine.values, width - old)] if mine is not None else []
+            keys += [_left_pad(t[i].keys, width - n) for t, n in zip(theirs, lengths, strict=True)]
+            values += [_left_pad(t[i].values, width - n)
+                       for t, n in zip(theirs, lengths, strict=True)]
+            layer.keys, layer.values = torch.cat(keys), torch.cat(values)
+        row_masks = [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lengths]
+        self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), *row_masks])
+        self.positions = torch.cat([self.positions, torch.tensor(lengths, dtype=torch.long)])
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order), then trim columns that are padding everywhere."""

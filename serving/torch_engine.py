@@ -2,7 +2,8 @@
 
 All model work runs on one engine thread, so requests never fight over the weights; the
 asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
-requests (each prefilled alone, then joined to the batch), run one batched decode step over
+requests (prefilled together in one padded forward, or each alone in batch-invariant mode, then
+joined to the batch), run one batched decode step over
 every active row (`serving.batching.PaddedKVBatch`), sample each row with its own seeded
 generator, let finished or cancelled rows leave. A request's tokens and logprobs therefore do
 not depend on what else is in the batch beyond float tolerance (bitwise with
@@ -354,6 +355,7 @@ class TorchEngine:
         inputs = prefill_inputs(prompts, hits)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         routes = recorder.pop_step().routes if recorder is not None else None  # (B, N, L, K)
+        joining: list[tuple[_Sequence, Any, int]] = []
         for b, (seq, prompt, hit) in enumerate(zip(seqs, prompts, hits, strict=True)):
             try:
                 new = len(prompt) - (hit.length if hit is not None else 0)
@@ -364,21 +366,23 @@ class TorchEngine:
                                       else torch.cat([hit.routes, fed]))
                 row = (out.past_key_values if len(seqs) == 1
                        else DynamicCache(joined_row_kv(out.past_key_values, b, inputs)))
-                self._join(seq, prompt, row, out.logits[b, -1])
+                if self._first_token(seq, prompt, row, out.logits[b, -1]):
+                    joining.append((seq, row, len(prompt)))
             except Exception as exc:  # this request fails; the others join
                 log.exception("prefill failed")
                 seq.send(EngineError(f"prefill failed: {exc}"))
+        self._rows += [seq for seq, _, _ in joining]
+        self._batch.extend([(row, length) for _, row, length in joining])
 
-    def _join(self, seq: _Sequence, prompt: list[int], row: Any, logits: torch.Tensor) -> None:
-        """A prefilled request: cache its keys/values, sample its first token, and unless that
-        finished it, add its row (a batch-1 cache over the prompt) to the decode batch."""
+    def _first_token(self, seq: _Sequence, prompt: list[int], row: Any,
+                     logits: torch.Tensor) -> bool:
+        """A prefilled request: cache its keys/values (`row`, a batch-1 cache over the
+        prompt), sample its first token; True unless that finished it."""
         seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, _row_kv(row, 0, len(prompt)),
                                      torch.cat(seq.routes) if seq.routes else None)
-        if not self._sample(seq, logits):
-            self._rows.append(seq)
-            self._batch.add(row, len(prompt))
+        return not self._sample(seq, logits)
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows

@@ -139,3 +139,26 @@ def test_padded_batch_joins_leaves_and_trims() -> None:
     assert batch.mask.tolist() == [[1, 1, 1, 1]]
     assert batch.cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 3.0]
     assert batch.positions.tolist() == [4]
+
+
+def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
+    from transformers import DynamicCache
+
+    def row(length: int, fill: float) -> DynamicCache:
+        cache = DynamicCache()
+        cache.update(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), -fill), 0)
+        return cache
+
+    sizes = [(3, 1.0), (5, 2.0), (2, 3.0)]
+    for start in ([], [(4, 9.0)]):  # into an empty batch, and into one with a row
+        one_by_one, together = PaddedKVBatch(), PaddedKVBatch()
+        for length, fill in start:
+            one_by_one.add(row(length, fill), length)
+            together.add(row(length, fill), length)
+        for length, fill in sizes:
+            one_by_one.add(row(length, fill), length)
+        together.extend([(row(length, fill), length) for length, fill in sizes])
+        assert together.mask.tolist() == one_by_one.mask.tolist()
+        assert together.positions.tolist() == one_by_one.positions.tolist()
+        a, b = together.cache.layers[0], one_by_one.cache.layers[0]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
