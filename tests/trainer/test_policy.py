@@ -42,3 +42,38 @@ def test_optimizer_step_changes_weights_and_version(model_dir: Path) -> None:
     after = policy.state_dict()
     assert policy.version == 1
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_rollouts_on_a_caching_engine_have_the_policys_logprobs(model_dir: Path) -> None:
+    """Groups of multi-turn episodes made together (prefix-cache hits, batched prefills, rows
+    joining and leaving the batch) carry behavior logprobs the trainer's forward reproduces."""
+    from simulate.rollouts import SandboxCache, rollout_group, unpack_segments
+    from simulate.tasks import BuiltinTaskSource
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.offline import build_harness, make_engine
+
+    policy = Policy.load(model_dir, lr=1e-3)
+    cfg = BootstrapSettings(max_turns=3, max_tokens=24)
+    engine = make_engine(policy, cfg, seed=0)
+    try:
+        harness = build_harness(engine, cfg, temperature=1.0)
+        tasks = BuiltinTaskSource(0.2).split("train")[:3]
+
+        async def groups() -> list:  # type: ignore[type-arg]
+            return list(await asyncio.gather(*(
+                rollout_group(harness, task, group_size=4, cache=SandboxCache(), seed=i)
+                for i, task in enumerate(tasks))))
+
+        made = asyncio.run(groups())
+        assert engine.prefix_cache is not None and engine.prefix_cache.hits > 0
+    finally:
+        engine.close()
+    segments = [s for g in made for t in g.trajectories for s in unpack_segments(t)]
+    turns = [sum(a < b for a, b in zip([0.0, *s.loss_mask[:-1]], s.loss_mask, strict=True))
+             for s in segments]
+    assert max(turns) > 1  # model turns after observations, in one context
+    batch = policy.batch([s.token_ids for s in segments], [s.loss_mask for s in segments])
+    with torch.no_grad():
+        logp = policy.token_logprobs(batch, temperature=1.0)
+    behavior = batch.pad_like([s.logprobs for s in segments])
+    assert ((logp - behavior).abs() * batch.loss_mask).max() < 1e-3
