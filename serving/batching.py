@@ -59,30 +59,23 @@ class PaddedKVBatch:
         if not rows:
             return
         lengths = [length for _, length in rows]
-        if self.cache is None or len(self) == 0:
-            if len(rows) == 1:  # the row's own cache becomes the batch: no copy
-                self.cache = rows[0][0]
-                self.mask = torch.ones(1, lengths[0], dtype=torch.long)
-                self.positions = torch.tensor(lengths, dtype=torch.long)
-                return
-            self.__init__()  # type: ignore[misc]
-            self.cache = rows[0][0]  # its layers take the joined tensors below
-            mine_layers: list[Any] = [None] * len(_layers(self.cache))
+        if len(self) == 0 and len(rows) == 1:  # the row's own cache becomes the batch: no copy
+            self.cache = rows[0][0]
         else:
-            mine_layers = _layers(self.cache)
-        old = self.width
-        width = max([old, *lengths])
-        theirs = [_layers(cache) for cache, _ in rows]
-        for i, layer in enumerate(_layers(self.cache)):
-            mine = mine_layers[i]
-            keys = [_left_pad(mine.keys, width - old)] if mine is not None else []
-            values = [_left_pad(mine.values, width - old)] if mine is not None else []
-            keys += [_left_pad(t[i].keys, width - n) for t, n in zip(theirs, lengths, strict=True)]
-            values += [_left_pad(t[i].values, width - n)
-                       for t, n in zip(theirs, lengths, strict=True)]
-            layer.keys, layer.values = torch.cat(keys), torch.cat(values)
+            parts = [(_layers(cache), length) for cache, length in rows]
+            if len(self):
+                parts.insert(0, (_layers(self.cache), self.width))
+            else:
+                self.cache = rows[0][0]  # its layer objects take the joined tensors
+            width = max(length for _, length in parts)
+            joined = [(torch.cat([_left_pad(ls[i].keys, width - n) for ls, n in parts]),
+                       torch.cat([_left_pad(ls[i].values, width - n) for ls, n in parts]))
+                      for i in range(len(parts[0][0]))]
+            for layer, (keys, values) in zip(_layers(self.cache), joined, strict=True):
+                layer.keys, layer.values = keys, values
+        width = max(self.width, *lengths)
         row_masks = [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lengths]
-        self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), *row_masks])
+        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), *row_masks])
         self.positions = torch.cat([self.positions, torch.tensor(lengths, dtype=torch.long)])
 
     def keep(self, rows: Sequence[int]) -> None:
