@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or init_model(settings.model, Path(tempfile.mkdtemp()) / "base")
     start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
     policy = start.policy(lr=cfg.lr)
-    tokens = cfg.prefix_cache_tokens or 32768
+    tokens = cfg.prefix_cache_tokens or type(cfg).model_fields["prefix_cache_tokens"].default
     engines = {"uncached": make_engine(policy, cfg.model_copy(update={"prefix_cache_tokens": 0}),
                                        seed=cfg.seed),
                "cached": make_engine(policy, cfg.model_copy(update={"prefix_cache_tokens": tokens}),

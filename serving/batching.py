@@ -78,6 +78,13 @@ class PaddedKVBatch:
         self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), *row_masks])
         self.positions = torch.cat([self.positions, torch.tensor(lengths, dtype=torch.long)])
 
+    def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row `row`'s keys/values over its real columns, the last `positions[row]`
+        (rows are left-padded): (1, H, P, D) per layer."""
+        n = int(self.positions[row])
+        return [(layer.keys[row:row + 1, :, -n:].clone(),
+                 layer.values[row:row + 1, :, -n:].clone()) for layer in _layers(self.cache)]
+
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order), then trim columns that are padding everywhere."""
         if len(rows) == len(self) and list(rows) == list(range(len(self))):

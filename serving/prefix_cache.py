@@ -19,6 +19,7 @@ weights: the owner must `clear()` on every weight change.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,13 +45,13 @@ class PrefixHit:
     routes: torch.Tensor | None  # (length, L, K)
 
 
-def _block_hashes(tokens: np.ndarray, blocks: int) -> list[int]:
-    """Chained hashes of tokens[:BLOCK], tokens[:2 * BLOCK], … (`blocks` of them)."""
-    hashes, h = [], 0
+def _block_hashes(tokens: np.ndarray, blocks: int) -> Iterator[int]:
+    """Chained hashes of tokens[:BLOCK], tokens[:2 * BLOCK], … (`blocks` of them), lazily: a
+    lookup stops hashing at its first miss."""
+    h = 0
     for b in range(blocks):
         h = hash((h, tokens[b * BLOCK:(b + 1) * BLOCK].tobytes()))
-        hashes.append(h)
-    return hashes
+        yield h
 
 
 class PrefixCache:
@@ -100,7 +101,7 @@ class PrefixCache:
         if len(tokens) < self.min_reuse or len(tokens) > self.max_tokens:
             return
         entry = PrefixEntry(np.asarray(tokens, dtype=np.int64), kv, routes)
-        entry.hashes = _block_hashes(entry.tokens, len(tokens) // BLOCK)
+        entry.hashes = list(_block_hashes(entry.tokens, len(tokens) // BLOCK))
         for h in entry.hashes:
             self._by_hash[h] = entry  # the newest entry answers for a shared prefix
         self._entries[id(entry)] = entry

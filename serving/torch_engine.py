@@ -86,13 +86,6 @@ class _Sequence:
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-def _row_kv(cache: Any, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row `row`'s keys/values over its last `length` columns (rows are left-padded), as views
-    (1, H, length, D) per layer."""
-    return [(layer.keys[row:row + 1, :, -length:], layer.values[row:row + 1, :, -length:])
-            for layer in cache.layers]
-
-
 @contextlib.contextmanager
 def _route_capture(model: Any) -> Iterator[Any]:
     """kernels.moe_replay's recorder, or None for a model without top-k MoE routers."""
@@ -380,7 +373,7 @@ class TorchEngine:
         prompt), sample its first token; True unless that finished it."""
         seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, _row_kv(row, 0, len(prompt)),
+            self.prefix_cache.insert(prompt, [(layer.keys, layer.values) for layer in row.layers],
                                      torch.cat(seq.routes) if seq.routes else None)
         return not self._sample(seq, logits)
 
@@ -417,8 +410,8 @@ class TorchEngine:
         if self.prefix_cache is None or seq.weights_epoch != self._weights_epoch:
             return
         fed = list(seq.request.prompt_token_ids) + seq.tokens[:-1]
-        kv = [(k.clone(), v.clone()) for k, v in _row_kv(self._batch.cache, row, len(fed))]
-        self.prefix_cache.insert(fed, kv, torch.cat(seq.routes) if seq.routes else None)
+        self.prefix_cache.insert(fed, self._batch.row_kv(row),
+                                 torch.cat(seq.routes) if seq.routes else None)
 
     def _drop_cancelled(self) -> None:
         keep = [b for b, seq in enumerate(self._rows) if not seq.cancelled]

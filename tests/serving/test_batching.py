@@ -162,3 +162,5 @@ def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
         assert together.positions.tolist() == one_by_one.positions.tolist()
         a, b = together.cache.layers[0], one_by_one.cache.layers[0]
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        keys, values = together.row_kv(len(start))[0]  # the first new row: 3 real columns
+        assert keys.shape == (1, 2, 3, 4) and (keys == 1.0).all() and (values == -1.0).all()
