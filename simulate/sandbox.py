@@ -14,6 +14,8 @@ Containment, in layers (each applied where the OS permits; `SandboxResult.isolat
 - an audit hook refusing sockets, process spawning, ctypes and writes outside the workspace,
   which reports each attempt as a violation (it is a tripwire, the layers above are the wall);
 - a wall-clock timeout that kills the whole process group.
+
+Each job is forked from a warm interpreter (`simulate.zygote`) rather than started fresh.
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -35,9 +34,10 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from simulate.zygote import SandboxProcess, spawn_job
+
 Status = Literal["passed", "failed", "error", "timed_out", "resource_limit"]
 Limit = Literal["cpu", "memory", "file_size", "processes", "wall"]
-_CHILD = Path(__file__).with_name("sandbox_child.py")
 _UID_RANGE = (1_000_000, 2_000_000_000)  # far above any account, so a fresh uid owns nothing
 
 
@@ -121,12 +121,9 @@ def _supervise(job: SandboxJob, workspace: Path, uid: int | None) -> SandboxResu
         spec_file.seek(0)
         env = {"PATH": os.defpath, "HOME": str(workspace), "LANG": "C.UTF-8"}
         start = time.monotonic()
-        child = subprocess.Popen(
-            [sys.executable, "-I", "-B", str(_CHILD), str(spec_file.fileno()),
-             str(channel.fileno())],
-            cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            pass_fds=(spec_file.fileno(), channel.fileno()), start_new_session=True)
-        timed_out = not _wait_exit(child.pid, job.limits.wall_seconds)
+        child = spawn_job(cwd=workspace, env=env, spec=spec_file, channel=channel, out=out,
+                          err=err)
+        timed_out = not child.wait_exit(job.limits.wall_seconds)
         survivors = _kill_everything(child, uid)
         duration = time.monotonic() - start
         result = _judge(_parse_records(_read(channel)), child.returncode, timed_out, survivors,
@@ -190,18 +187,14 @@ def _judge(records: list[_ChildRecord], returncode: int | None, timed_out: bool,
         failures=[f"{r.failure}: {r.error}" for r in records if r.failure])
 
 
-def _kill_everything(child: subprocess.Popen, uid: int | None) -> int:
+def _kill_everything(child: SandboxProcess, uid: int | None) -> int:
     """Kill the process group and, when the job has its own uid, every process of that uid.
 
     Returns how many processes were alive first, a lower bound on how far a fork bomb got.
     SIGKILL is delivered asynchronously, so we re-kill until none is left running.
     """
     survivors = _count_uid(uid) if uid is not None else 0
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is already gone
-    child.wait()
+    child.kill_group()
     if uid is None or survivors == 0:
         return survivors  # no process of the uid is left that could fork another
     for _ in range(200):
@@ -210,16 +203,6 @@ def _kill_everything(child: subprocess.Popen, uid: int | None) -> int:
             break
         time.sleep(0.005)
     return survivors
-
-
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Block until `pid` exits or `timeout` passes; a pidfd wakes us at once, unlike polling."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        readable, _, _ = select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    return bool(readable)
 
 
 def _count_uid(uid: int) -> int:
