@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--midtrain-steps", type=int, help="default: bootstrap.midtrain_steps")
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--rollout-isolation", choices=["process", "thread"],
+                        help="default: bootstrap.rollout_isolation")
     parser.add_argument("--eval-tasks", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=4)
     args = parser.parse_args(argv)
@@ -41,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     from simulate.rollouts import SandboxCache, pass_rate
     from trainer.init_model import init_model
     from trainer.midtrain import midtrained_start
-    from trainer.offline import evaluate, make_engine, mean_reward, run_grpo
+    from trainer.offline import evaluate, mean_reward, run_grpo
+    from trainer.rollout_workers import make_engine
 
-    cfg = settings.bootstrap.model_copy(update={"time_budget_s": args.seconds,
-                                                "max_staleness": args.max_staleness})
+    cfg = settings.bootstrap.model_copy(update={
+        "time_budget_s": args.seconds, "max_staleness": args.max_staleness,
+        "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation})
     model_dir = args.model_dir or init_model(settings.model,
                                              Path(tempfile.mkdtemp()) / "base")
     torch.set_num_threads(cfg.torch_threads)
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                       "last_steps_reward_async": round(pipelined.final_reward(), 3),
                       "held_out_pass_at_1_sync": round(held_out["sync"], 3),
                       "held_out_pass_at_1_async": round(held_out["async"], 3),
-                      "steps_sync": sync.steps, "steps_async": pipelined.steps}))
+                      "steps_sync": sync.steps, "steps_async": pipelined.steps,
+                      "rollout_isolation": cfg.rollout_isolation}))
     return 0
 
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from simulate.rollouts import SandboxCache, rollout_group
     from trainer.init_model import init_model
     from trainer.midtrain import midtrained_start
-    from trainer.offline import build_harness, make_engine
+    from trainer.rollout_workers import build_harness, make_engine
 
     cfg = settings.bootstrap
     torch.set_num_threads(cfg.torch_threads)

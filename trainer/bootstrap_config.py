@@ -51,6 +51,9 @@ class BootstrapSettings(BaseModel):
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)
     rollout_workers: int = Field(default=1, ge=1)
+    # "process": each worker's engine runs in a spawned child process, on its own core and
+    # interpreter lock; "thread": in the trainer's process (starts faster, shares the lock)
+    rollout_isolation: Literal["process", "thread"] = "process"
     groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
     torch_threads: int = Field(default=1, ge=1)
     # keys/values of recent sequences kept per engine (2 KB a token for the default model):

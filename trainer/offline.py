@@ -1,9 +1,10 @@
 """Offline bootstrap: mid-training, then GRPO on group rollouts, pipelined with bounded staleness.
 
 `OfflineTrainer` is the learner (named phases: `forward_backward`, `step`, `state_dict`,
-`close`); `RolloutWorker` threads each own an engine and a harness and refresh the engine's
-weights in place from a `WeightStore` when the `StalenessGate` says they must. `run_bootstrap`
-wires them, evaluates held-out pass@1 before and after, and writes metrics and a plot.
+`close`); `RolloutWorker`s (trainer/rollout_workers.py) each own an engine, in a child process
+or in this one, and refresh its weights in place when the `StalenessGate` says they must.
+`run_bootstrap` wires them, evaluates held-out pass@1 before and after, and writes metrics and
+a plot.
 
     flywheel bootstrap --data-dir data        # see docs/bootstrap.md
 """
@@ -11,7 +12,6 @@ wires them, evaluates held-out pass@1 before and after, and writes metrics and a
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import random
@@ -24,10 +24,7 @@ from typing import Any
 import torch
 
 from ingest.events import RolloutGroup
-from kernels.weights import state_dict_sha256
-from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
-from simulate.harness import ChatTokens, Harness, HarnessConfig
 from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
@@ -41,8 +38,16 @@ from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
 from trainer.midtrain import cosine_factor
-from trainer.pipeline import PipelineClosedError, Slot, StalenessGate
+from trainer.pipeline import PipelineClosedError, StalenessGate
 from trainer.policy import Policy
+from trainer.rollout_workers import (
+    RolloutWorker,
+    WeightStore,
+    build_harness,
+    build_rollouts,
+    load_weights,
+    make_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,87 +106,6 @@ class OfflineTrainer:
 
     def close(self) -> None:
         self.policy.optimizer.zero_grad(set_to_none=True)
-
-
-class WeightStore:
-    """The latest published weights; workers copy them into their engines in place."""
-
-    def __init__(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self._lock = threading.Lock()
-        self._version, self._state = version, state
-
-    def put(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        with self._lock:
-            self._version, self._state = version, state
-
-    def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
-        with self._lock:
-            return self._version, self._state
-
-
-def load_weights(engine: TorchEngine, version: int, state: dict[str, torch.Tensor]) -> None:
-    """Hot-swap `state` into a running engine between decode steps (no restart)."""
-    engine.call_between_steps(lambda model: model.load_state_dict(state)).result()
-    engine.set_version(ModelVersion(version, state_dict_sha256(state)))
-
-
-@dataclass
-class RolloutWorker:
-    """Makes the groups the gate asks for, with weights at least as fresh as it requires."""
-
-    engine: TorchEngine
-    harness: Harness
-    gate: StalenessGate[RolloutGroup]
-    weights: WeightStore
-    tasks: list[Task]
-    group_size: int
-    cache: SandboxCache
-    seed: int = 0
-    groups_in_flight: int = 1  # groups of one step made together: larger decode batches
-    busy_s: float = 0.0
-    samples: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def run(self) -> None:
-        order = random.Random(self.seed)
-        try:
-            while True:
-                slots = self.gate.claim_batch(self.groups_in_flight)
-                self.gate.wait_for_weights(slots[-1].step)
-                version, state = self.weights.latest()
-                if version != self.engine.version.number:
-                    load_weights(self.engine, version, state)
-                start = time.monotonic()
-                tasks = [order.choice(self.tasks) for _ in slots]
-                groups = asyncio.run(self._make_groups(tasks, slots))
-                self.busy_s += time.monotonic() - start
-                self.samples += self.group_size * len(slots)
-                for slot, group in zip(slots, groups, strict=True):
-                    self.gate.submit(slot, group, policy_version=group.policy_version)
-        except PipelineClosedError:
-            return
-        except Exception as exc:  # surfaced by the trainer, which then stops the run
-            log.exception("rollout worker failed")
-            self.errors.append(repr(exc))
-            self.gate.close()
-
-
-    async def _make_groups(self, tasks: list[Task], slots: list[Slot]) -> list[RolloutGroup]:
-        return list(await asyncio.gather(*(
-            rollout_group(self.harness, task, group_size=self.group_size, cache=self.cache,
-                          seed=slot.index) for task, slot in zip(tasks, slots, strict=True))))
-
-
-def build_harness(engine: TorchEngine, cfg: BootstrapSettings, *,
-                  temperature: float) -> Harness:
-    return Harness(engine, ChatTokens(engine.tokenizer), HarnessConfig(
-        max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, temperature=temperature,
-        context_budget=cfg.context_budget))
-
-
-def make_engine(policy: Policy, cfg: BootstrapSettings, *, seed: int) -> TorchEngine:
-    return TorchEngine(copy.deepcopy(policy.model).eval(), policy.tokenizer, seed=seed,
-                       max_batch=128, prefix_cache_tokens=cfg.prefix_cache_tokens)
 
 
 def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
@@ -258,12 +182,10 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
         version=policy.version)
     store = WeightStore(policy.version, trainer.state_dict())
-    workers = [RolloutWorker(make_engine(policy, cfg, seed=cfg.seed + i), None, gate, store,  # type: ignore[arg-type]
-                             train, cfg.group_size, cache, seed=cfg.seed + i,
+    workers = [RolloutWorker(build_rollouts(policy, cfg, seed=cfg.seed + i, cache=cache), gate,
+                             store, train, seed=cfg.seed + i,
                              groups_in_flight=cfg.groups_in_flight)
                for i in range(cfg.rollout_workers)]
-    for w in workers:
-        w.harness = build_harness(w.engine, cfg, temperature=cfg.temperature)
     threads = [threading.Thread(target=w.run, name=f"rollout-{i}", daemon=True)
                for i, w in enumerate(workers)]
     run = GrpoRun()
@@ -309,7 +231,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         for t in threads:
             t.join(timeout=60)
         for w in workers:
-            w.engine.close()
+            w.rollouts.close()
         trainer.close()
     return run
 
