@@ -220,6 +220,7 @@ def zygote(control: socket.socket) -> None:
     (the `Popen.returncode` convention).
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reapers are reaped by the kernel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the supervisor's to handle
     while True:
         message, fds, _, _ = socket.recv_fds(control, 65536, 5)
         if not message:
@@ -269,6 +270,7 @@ def become_job(request: dict[str, Any], spec_fd: int, result_fd: int, out_fd: in
     code = 1
     try:
         os.setsid()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -22,6 +22,7 @@ import copy
 import logging
 import multiprocessing
 import random
+import signal
 import threading
 import time
 import traceback
@@ -187,6 +188,7 @@ def _child_main(conn: Connection, spec: _ChildSpec) -> None:
     """The child: build the engine, then make groups per order until told to stop."""
     from transformers import AutoModelForCausalLM
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's: it sends "stop"
     torch.set_num_threads(spec.cfg.torch_threads)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(spec.model_config, dtype=torch.float32)
