@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="GRPO wall time per mode")
     parser.add_argument("--midtrain-steps", type=int, help="default: bootstrap.midtrain_steps")
     parser.add_argument("--model-dir", type=Path)
-    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, help="default: bootstrap.max_staleness")
     parser.add_argument("--rollout-isolation", choices=["process", "thread"],
                         help="default: bootstrap.rollout_isolation")
     parser.add_argument("--eval-tasks", type=int, default=32)
@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.rollout_workers import make_engine
 
     cfg = settings.bootstrap.model_copy(update={
-        "time_budget_s": args.seconds, "max_staleness": args.max_staleness,
+        "time_budget_s": args.seconds,
+        "max_staleness": settings.bootstrap.max_staleness if args.max_staleness is None
+        else args.max_staleness,
         "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation})
     model_dir = args.model_dir or init_model(settings.model,
                                              Path(tempfile.mkdtemp()) / "base")
