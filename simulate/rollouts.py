@@ -56,6 +56,12 @@ class SandboxCache:
             self._results[key] = result
         return result
 
+    def count(self, *, hits: int, misses: int) -> None:
+        """Add the counts of a cache in another process (a rollout child's)."""
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+
 
 class TaskEnvironment:
     """One episode on one task: a `ToolWorkspace` whose tests run through a `SandboxCache`."""

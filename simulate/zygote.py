@@ -19,6 +19,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -44,26 +45,37 @@ class SandboxProcess:
             raise ZygoteError(f"zygote reaper said {kind!r} instead of a pid")
         self.pid = int(pid)
         self.returncode: int | None = None
-        self._exited = False
+        self._exited = self._reaper_lost = False
 
     def wait_exit(self, timeout: float) -> bool:
         """Block until the job exits (True) or `timeout` passes (False)."""
         if not self._exited:
             readable, _, _ = select.select([self._reply], [], [], timeout)
-            self._exited = bool(readable) and self._reply.recv(64) == b"exited"
+            if readable:  # b"exited", or b"" if the reaper itself was killed
+                self._exited, self._reaper_lost = True, self._reply.recv(64) != b"exited"
         return self._exited
 
-    def kill_group(self) -> int:
+    def kill_group(self) -> int | None:
         """SIGKILL the job's process group (the exited job's zombie still pins it), reap the
-        job, and return its exit code, negative for a signal, as `Popen.returncode`."""
-        self._reply.send(b"kill")
-        while (message := self._reply.recv(64)) == b"exited":
-            continue
-        self._reply.close()
-        kind, _, code = message.decode().partition(" ")
-        if kind != "status":
-            raise ZygoteError(f"zygote reaper said {message!r} instead of an exit status")
-        self.returncode = int(code)
+        job, and return its exit code, negative for a signal, as `Popen.returncode`; None if
+        its reaper was killed (by a job running as our own uid), after killing the group."""
+        try:
+            if self._reaper_lost:
+                raise ConnectionError("reaper gone")
+            self._reply.send(b"kill")
+            while (message := self._reply.recv(64)) == b"exited":
+                continue
+            kind, _, code = message.decode().partition(" ")
+            if kind != "status":
+                raise ConnectionError(f"reaper said {message!r}")
+            self.returncode = int(code)
+        except OSError:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the group is already gone
+        finally:
+            self._reply.close()
         return self.returncode
 
 

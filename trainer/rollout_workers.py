@@ -168,8 +168,7 @@ class ProcessRollouts:
         if kind == "error":
             raise RolloutProcessError(f"rollout process failed:\n{payload}")
         made: _Made = payload
-        self._cache.hits += made.sandbox_hits
-        self._cache.misses += made.sandbox_runs
+        self._cache.count(hits=made.sandbox_hits, misses=made.sandbox_runs)
         return made.groups
 
     def close(self) -> None:

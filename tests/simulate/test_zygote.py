@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import tempfile
+import time
+from pathlib import Path
 
 from simulate import zygote
 from simulate.sandbox import SandboxJob, SandboxPolicy, run_sandboxed
@@ -39,3 +44,30 @@ def test_a_killed_zygote_is_restarted_for_the_next_job() -> None:
     process.wait()
     assert run_sandboxed(SandboxJob(code="", tests=PASSING)).status == "passed"
     assert zygote._zygote._process is not process and zygote._zygote._owner == os.getpid()
+
+
+def test_a_killed_reaper_still_ends_with_the_job_group_killed(tmp_path: Path) -> None:
+    """A job running as our own uid (no root) could kill its reaper; the supervisor then
+    kills the job's group itself and reports no exit code."""
+    spec = {"workspace": str(tmp_path), "uid": None, "code": "import time\ntime.sleep(60)\n",
+            "tests": PASSING, "entry_point": None, "policy": NO_HOOK.model_dump(),
+            "limits": {"cpu_seconds": 10, "memory_mb": 512, "file_size_mb": 16,
+                       "max_processes": 16}}
+    files = [tempfile.TemporaryFile("w+") for _ in range(4)]
+    json.dump(spec, files[0])
+    files[0].seek(0)
+    process = zygote.spawn_job(cwd=tmp_path, env={"PATH": os.defpath}, spec=files[0],
+                               channel=files[1], out=files[2], err=files[3])
+    reaper = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(reaper, signal.SIGKILL)
+    assert process.wait_exit(timeout=10)  # the reaper's end wakes the supervisor
+    assert process.kill_group() is None
+    for _ in range(200):  # SIGKILL is asynchronous
+        if not Path(f"/proc/{process.pid}").exists() or \
+                " Z " in Path(f"/proc/{process.pid}/stat").read_text():
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the job outlived its group's kill")
+    for f in files:
+        f.close()
