@@ -248,7 +248,7 @@ def reap(request: dict[str, Any], spec_fd: int, result_fd: int, out_fd: int, err
         os.close(fd)
     pidfd = os.pidfd_open(job)
     reply.send(f"pid {job}".encode())
-    waiting = [pidfd, reply]
+    waiting: list[int | socket.socket] = [pidfd, reply]
     while True:
         readable, _, _ = select.select(waiting, [], [])
         if pidfd in readable:
