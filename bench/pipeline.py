@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,11 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import random
 
-    import torch
-
     from simulate.rollouts import SandboxCache, pass_rate
-    from trainer.init_model import init_model
-    from trainer.midtrain import midtrained_start
+    from trainer.midtrain import bench_start
     from trainer.offline import evaluate, mean_reward, run_grpo
     from trainer.rollout_workers import make_engine
 
@@ -51,10 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_staleness": settings.bootstrap.max_staleness if args.max_staleness is None
         else args.max_staleness,
         "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation})
-    model_dir = args.model_dir or init_model(settings.model,
-                                             Path(tempfile.mkdtemp()) / "base")
-    torch.set_num_threads(cfg.torch_threads)
-    start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
+    start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)
     eval_tasks = random.Random(cfg.seed).sample(start.train, min(args.eval_tasks,
                                                                   len(start.train)))
     results, reached, held_out = {}, {}, {}

@@ -15,7 +15,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,17 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
 
-    import torch
 
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.init_model import init_model
-    from trainer.midtrain import midtrained_start
+    from trainer.midtrain import bench_start
     from trainer.rollout_workers import build_harness, make_engine
 
     cfg = settings.bootstrap
-    torch.set_num_threads(cfg.torch_threads)
-    model_dir = args.model_dir or init_model(settings.model, Path(tempfile.mkdtemp()) / "base")
-    start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
+    start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)
     policy = start.policy(lr=cfg.lr)
     tokens = cfg.prefix_cache_tokens or type(cfg).model_fields["prefix_cache_tokens"].default
     engines = {"uncached": make_engine(policy, cfg.model_copy(update={"prefix_cache_tokens": 0}),

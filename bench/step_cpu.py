@@ -19,21 +19,19 @@ import os
 import random
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
+from bench.sandbox import machine_busy_s  # noqa: E402
 
 
 def cpu_s() -> tuple[float, float]:
     """(this process's CPU, the machine's busy time), both in seconds."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-    return own.ru_utime + own.ru_stime, busy
+    return own.ru_utime + own.ru_stime, machine_busy_s()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,23 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings()
 
-    import torch
 
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.grpo import GRPOLossConfig
-    from trainer.init_model import init_model
-    from trainer.midtrain import midtrained_start
+    from trainer.midtrain import bench_start
     from trainer.offline import OfflineTrainer
     from trainer.rollout_workers import build_harness, make_engine
 
     cfg = settings.bootstrap
-    torch.set_num_threads(cfg.torch_threads)
-    model_dir = args.model_dir or init_model(settings.model, Path(tempfile.mkdtemp()) / "base")
-    start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
+    start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)
     policy = start.policy(lr=cfg.lr)
-    trainer = OfflineTrainer(policy, GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip,
-                                                    is_cap=cfg.is_cap),
-                             temperature=cfg.temperature)
+    trainer = OfflineTrainer.from_settings(policy, cfg)
     engine = make_engine(policy, cfg, seed=cfg.seed)
     harness = build_harness(engine, cfg, temperature=cfg.temperature)
     cache = SandboxCache()

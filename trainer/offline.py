@@ -60,6 +60,11 @@ class OfflineTrainer:
         self.loss = loss
         self.temperature = temperature
 
+    @classmethod
+    def from_settings(cls, policy: Policy, cfg: BootstrapSettings) -> OfflineTrainer:
+        return cls(policy, GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip,
+                                          is_cap=cfg.is_cap), temperature=cfg.temperature)
+
     def forward_backward(self, groups: list[RolloutGroup]) -> dict[str, float]:
         sequences, masks, behavior, advantages = [], [], [], []
         rewards = []
@@ -176,8 +181,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
     """Pipelined GRPO until `max_steps` or `time_budget_s`; evaluates every `eval_every`."""
     from tqdm import tqdm
 
-    loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
-    trainer = OfflineTrainer(policy, loss, temperature=cfg.temperature)
+    trainer = OfflineTrainer.from_settings(policy, cfg)
     gate: StalenessGate[RolloutGroup] = StalenessGate(
         groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
         version=policy.version)
