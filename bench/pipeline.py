@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, help="default: bootstrap.max_staleness")
     parser.add_argument("--rollout-isolation", choices=["process", "thread"],
                         help="default: bootstrap.rollout_isolation")
+    parser.add_argument("--clip-anchor", choices=["trainer", "behavior"],
+                        help="default: bootstrap.clip_anchor")
     parser.add_argument("--eval-tasks", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=4)
     args = parser.parse_args(argv)
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         "time_budget_s": args.seconds,
         "max_staleness": settings.bootstrap.max_staleness if args.max_staleness is None
         else args.max_staleness,
-        "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation})
+        "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation,
+        "clip_anchor": args.clip_anchor or settings.bootstrap.clip_anchor})
     start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)
     eval_tasks = random.Random(cfg.seed).sample(start.train, min(args.eval_tasks,
                                                                   len(start.train)))
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                       "held_out_pass_at_1_sync": round(held_out["sync"], 3),
                       "held_out_pass_at_1_async": round(held_out["async"], 3),
                       "steps_sync": sync.steps, "steps_async": pipelined.steps,
-                      "rollout_isolation": cfg.rollout_isolation}))
+                      "rollout_isolation": cfg.rollout_isolation,
+                      "max_staleness": cfg.max_staleness, "clip_anchor": cfg.clip_anchor}))
     return 0
 
 

@@ -45,6 +45,11 @@ class BootstrapSettings(BaseModel):
     context_budget: int = Field(default=1024, ge=64)
     clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
     is_cap: float = Field(default=2.0, gt=0)  # truncated IS against behavior logprobs
+    # where the clip's ratio is anchored (trainer.grpo). "behavior": the logprobs the rollout
+    # was sampled with, so the clip bounds how far a stale batch moves the policy, and is_cap
+    # becomes the dual clip on negative advantages (> 1); "trainer": the policy being trained,
+    # with the behavior correction as a weight capped at is_cap (the clip never engages)
+    clip_anchor: Literal["trainer", "behavior"] = "behavior"
     max_steps: int = Field(default=1000, ge=1)
     time_budget_s: float = Field(default=540.0, gt=0)  # GRPO wall budget
     eval_every: int = Field(default=10, ge=1)

@@ -10,6 +10,13 @@ from the same trainer before this update's first step (the PPO anchor), and `beh
 from the inference engine that sampled the tokens. The engine's numerics differ from the
 trainer's, so the sampled distribution is corrected with a truncated importance weight
 min(exp(old_logp - behavior_logp), C), detached.
+
+With one optimizer step per batch the anchor is the policy being trained, so the ratio starts
+at 1 and the clip never engages, however stale the batch. Anchoring at the behavior logprobs
+instead (`old_logp = behavior_logp`, no separate weight) makes the clip a trust region around
+the policy that sampled: tokens the policy has already moved past 1 +- clip in the advantage's
+direction stop pulling. `dual_clip` then bounds a negative-advantage token's loss at
+dual_clip x |A| (Ye et al., 2020), where the ratio itself is unbounded.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class GRPOLossConfig(BaseModel):
     clip_low: float = Field(default=0.2, ge=0.0, lt=1.0)  # ratio floor 1 - clip_low
     clip_high: float = Field(default=0.2, ge=0.0)  # ratio ceiling 1 + clip_high
     is_cap: float | None = Field(default=2.0, gt=0.0)  # C; None: no behavior correction
+    dual_clip: float | None = Field(default=None, gt=1.0)  # c; None: negative A unbounded
     kl_coef: float = Field(default=0.0, ge=0.0)
     aggregation: Aggregation = "token"
 
@@ -89,6 +97,11 @@ def grpo_loss(
     clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)  # (B, T)
     unclipped, clipped = ratio * adv, clipped_ratio * adv  # (B, T)
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
+    was_clipped = clipped < unclipped  # the min took the clipped term
+    if config.dual_clip is not None:
+        bounded = (adv < 0) & (per_token > config.dual_clip * -adv)  # (B, T)
+        per_token = torch.where(bounded, config.dual_clip * -adv, per_token)
+        was_clipped = was_clipped | bounded
     weights = torch.ones_like(ratio)
     if behavior_logp is not None and config.is_cap is not None:
         weights = importance_weights(old_logp, behavior_logp, cap=config.is_cap)
@@ -99,8 +112,7 @@ def grpo_loss(
         per_token = per_token + config.kl_coef * kl
     loss = masked_mean(per_token, loss_mask, config.aggregation)
     with torch.no_grad():
-        was_clipped = (clipped < unclipped).to(ratio.dtype)  # the min took the clipped term
         metrics = {name: masked_mean(value, loss_mask, "token").item() for name, value in (
-            ("clip_fraction", was_clipped), ("ratio_mean", ratio), ("is_weight_mean", weights),
-            ("kl", kl))}
+            ("clip_fraction", was_clipped.to(ratio.dtype)), ("ratio_mean", ratio),
+            ("is_weight_mean", weights), ("kl", kl))}
     return loss, metrics

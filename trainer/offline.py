@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -55,15 +55,21 @@ log = logging.getLogger(__name__)
 class OfflineTrainer:
     """GRPO on `RolloutGroup`s: one optimizer step per trainer step."""
 
-    def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float) -> None:
+    def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float,
+                 clip_anchor: Literal["trainer", "behavior"] = "trainer") -> None:
         self.policy = policy
         self.loss = loss
         self.temperature = temperature
+        self.clip_anchor = clip_anchor
 
     @classmethod
     def from_settings(cls, policy: Policy, cfg: BootstrapSettings) -> OfflineTrainer:
-        return cls(policy, GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip,
-                                          is_cap=cfg.is_cap), temperature=cfg.temperature)
+        if cfg.clip_anchor == "behavior":
+            loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=None,
+                                  dual_clip=cfg.is_cap)
+        else:
+            loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
+        return cls(policy, loss, temperature=cfg.temperature, clip_anchor=cfg.clip_anchor)
 
     def forward_backward(self, groups: list[RolloutGroup]) -> dict[str, float]:
         sequences, masks, behavior, advantages = [], [], [], []
@@ -89,7 +95,8 @@ class OfflineTrainer:
         batch = self.policy.batch(sequences, masks)
         logp = self.policy.token_logprobs(batch, temperature=self.temperature)  # (B, T)
         behavior_logp = batch.pad_like(behavior)  # (B, T)
-        loss, loss_metrics = grpo_loss(logp, logp.detach(), torch.tensor(advantages),
+        anchor = behavior_logp if self.clip_anchor == "behavior" else logp.detach()
+        loss, loss_metrics = grpo_loss(logp, anchor, torch.tensor(advantages),
                                        batch.loss_mask, config=self.loss,
                                        behavior_logp=behavior_logp)
         loss.backward()

@@ -87,6 +87,21 @@ def test_clip_high_can_differ_from_clip_low() -> None:
     assert loss.item() == pytest.approx((-1.28 - 0.5 - 1.1 + 1.5 + 0.8) / 5, abs=1e-6)
 
 
+def test_dual_clip_bounds_negative_advantage_tokens() -> None:
+    # seq 1 (A = -1) with ratios 4.0 and 1.5: unclipped losses +4.0 and +1.5; a dual clip
+    # of 3 bounds the first at 3 * |A| = 3 and stops its gradient. Seq 0 (A = +1) is untouched.
+    old_logp = torch.tensor([[-1.0, -2.0], [-0.7, -1.3]])
+    logp = (old_logp + torch.tensor([[1.5, 0.5], [4.0, 1.5]]).log()).requires_grad_()
+    loss, metrics = grpo_loss(logp, old_logp, ADVANTAGES, torch.ones(2, 2),
+                              config=GRPOLossConfig(dual_clip=3.0))
+    # (-1.2 - 0.5 + 3.0 + 1.5) / 4
+    assert loss.item() == pytest.approx(2.8 / 4, abs=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(2 / 4)
+    loss.backward()
+    expected = torch.tensor([[0.0, -0.5 / 4], [0.0, 1.5 / 4]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
 def test_importance_weights_are_truncated_and_detached() -> None:
     old_logp = torch.tensor([[LOG(0.6), LOG(0.1)]], requires_grad=True)
     behavior_logp = torch.tensor([[LOG(0.2), LOG(0.2)]])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.cli import main
 
@@ -54,3 +55,40 @@ def test_mean_reward_is_the_seeded_expected_reward_on_a_fixed_task_list(model_di
     first = mean_reward(policy, cfg, tasks, samples=2, cache=cache)
     assert 0.0 <= first <= 1.0 and cache.misses + cache.hits >= 4  # every episode scored
     assert mean_reward(policy, cfg, tasks, samples=2, cache=SandboxCache()) == first
+
+
+def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path) -> None:
+    """Anchored at the trainer, a batch sampled several versions ago has ratio 1 and is never
+    clipped (only IS-weighted); anchored at its behavior logprobs, the clip sees how far the
+    policy has moved since."""
+    from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.offline import OfflineTrainer
+    from trainer.policy import Policy
+
+    policy = Policy.load(model_dir, lr=1e-2)
+    tokens, mask = [[5, 9, 14, 22, 31, 40], [5, 9, 17, 25, 33, 41]], [0, 0, 1, 1, 1, 1]
+    batch = policy.batch(tokens, [mask, mask])
+    with torch.no_grad():
+        behavior = policy.token_logprobs(batch).tolist()  # version 0
+    group = RolloutGroup(group_id="g", task_id="t", policy_version=0, trajectories=[
+        RolloutTrajectory(token_ids=PackedArray.pack(ids, "int32"),
+                          loss_mask=PackedArray.pack(mask, "uint8"),
+                          logprobs=PackedArray.pack(logp, "float32"),
+                          segment_lengths=PackedArray.pack([len(ids)], "int32"),
+                          reward=reward, turns=1, finished=True)
+        for ids, logp, reward in zip(tokens, behavior, [1.0, 0.0], strict=True)])
+    for _ in range(5):  # move the policy: the group is now 5 versions stale
+        (-(policy.token_logprobs(batch)[0] * batch.loss_mask[0]).sum()).backward()
+        policy.optimizer_step()
+
+    by_anchor = {}
+    for anchor in ("trainer", "behavior"):
+        cfg = BootstrapSettings(clip_anchor=anchor)
+        by_anchor[anchor] = OfflineTrainer.from_settings(policy, cfg).forward_backward([group])
+        policy.optimizer.zero_grad(set_to_none=True)
+    trainer, behavior_anchored = by_anchor["trainer"], by_anchor["behavior"]
+    assert trainer["ratio_mean"] == pytest.approx(1.0) and trainer["clip_fraction"] == 0.0
+    assert trainer["is_weight_mean"] != pytest.approx(1.0)
+    assert behavior_anchored["clip_fraction"] > 0.0 and behavior_anchored["is_weight_mean"] == 1.0
+    assert behavior_anchored["ratio_mean"] != pytest.approx(1.0)
