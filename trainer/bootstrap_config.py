@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
+
+ClipAnchor = Literal["trainer", "behavior"]
 
 
 class BootstrapSettings(BaseModel):
@@ -49,7 +51,7 @@ class BootstrapSettings(BaseModel):
     # was sampled with, so the clip bounds how far a stale batch moves the policy, and is_cap
     # becomes the dual clip on negative advantages (> 1); "trainer": the policy being trained,
     # with the behavior correction as a weight capped at is_cap (the clip never engages)
-    clip_anchor: Literal["trainer", "behavior"] = "behavior"
+    clip_anchor: ClipAnchor = "behavior"
     max_steps: int = Field(default=1000, ge=1)
     time_budget_s: float = Field(default=540.0, gt=0)  # GRPO wall budget
     eval_every: int = Field(default=10, ge=1)
@@ -64,6 +66,13 @@ class BootstrapSettings(BaseModel):
     # keys/values of recent sequences kept per engine (2 KB a token for the default model):
     # later turns and a group's G copies of a prompt prefill only new tokens. 0: off
     prefix_cache_tokens: int = Field(default=32768, ge=0)
+
+    @model_validator(mode="after")
+    def _dual_clip_above_one(self) -> BootstrapSettings:
+        if self.clip_anchor == "behavior" and self.is_cap <= 1.0:
+            raise ValueError(f"is_cap must be > 1 with clip_anchor 'behavior' (it bounds a "
+                             f"negative-advantage token's loss at is_cap x |A|); got {self.is_cap}")
+        return self
 
     @property
     def staleness(self) -> int:

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -35,7 +35,7 @@ from simulate.rollouts import (
     unpack_segments,
 )
 from simulate.tasks import Task
-from trainer.bootstrap_config import BootstrapSettings
+from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
 from trainer.midtrain import cosine_factor
 from trainer.pipeline import PipelineClosedError, StalenessGate
@@ -56,7 +56,7 @@ class OfflineTrainer:
     """GRPO on `RolloutGroup`s: one optimizer step per trainer step."""
 
     def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float,
-                 clip_anchor: Literal["trainer", "behavior"] = "trainer") -> None:
+                 clip_anchor: ClipAnchor = "trainer") -> None:
         self.policy = policy
         self.loss = loss
         self.temperature = temperature

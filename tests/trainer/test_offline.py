@@ -92,3 +92,11 @@ def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path
     assert trainer["is_weight_mean"] != pytest.approx(1.0)
     assert behavior_anchored["clip_fraction"] > 0.0 and behavior_anchored["is_weight_mean"] == 1.0
     assert behavior_anchored["ratio_mean"] != pytest.approx(1.0)
+
+
+def test_behavior_anchor_needs_an_is_cap_above_one() -> None:
+    from trainer.bootstrap_config import BootstrapSettings
+
+    with pytest.raises(ValueError, match="is_cap must be > 1 with clip_anchor 'behavior'"):
+        BootstrapSettings(is_cap=1.0)
+    assert BootstrapSettings(is_cap=1.0, clip_anchor="trainer").is_cap == 1.0
