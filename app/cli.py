@@ -79,13 +79,14 @@ def cmd_train_online(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from ingest.join import run_join
+    from ingest.join import relax_gc, run_join
 
     settings = _settings(args)
     bootstrap = args.bootstrap or settings.kafka_bootstrap
     if bootstrap is None:
         print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --bootstrap", file=sys.stderr)
         return 2
+    relax_gc()
     stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     run_join(settings.kafka_config(bootstrap), settings.join,

@@ -164,8 +164,9 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
     until the parent says go, so that every member is in the group before anything is read
     (a member joining later would stop the others for a rebalance). With `sessions_first`
     it reads its sessions partitions alone, untimed, then the feedback when told."""
-    from ingest.join import Join
+    from ingest.join import Join, relax_gc
 
+    relax_gc()  # as `flywheel join` does
     join = Join(kafka, settings, database_url=database_url)
     go, feedback_go, assigned = shared["go"], shared["feedback_go"], shared["assigned"]
 

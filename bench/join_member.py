@@ -1,6 +1,6 @@
 """One join member, in this process, over a feedback backlog whose sessions it read first.
 
-    .venv/bin/python bench/join_member.py [--events 40000] [--sessions 5000]
+    .venv/bin/python bench/join_member.py [--events 40000] [--sessions 5000] [--default-gc]
 
 The piece of `bench/feedback.py` to profile (`py-spy record --pid …` once it prints
 `ready`) or to compare two versions of the join with (alternate runs: on a shared 2-core
@@ -49,8 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--sessions", type=int, default=5000)
+    parser.add_argument("--default-gc", action="store_true",
+                        help="keep Python's GC thresholds (`flywheel join` relaxes them)")
     args = parser.parse_args()
-    from ingest.join import Join
+    from ingest.join import Join, relax_gc
+
+    if not args.default_gc:
+        relax_gc()
 
     data = Path(tempfile.mkdtemp(prefix="bench-join-"))
     broker = EmbeddedBroker.start(log_path=data / "broker.log")
@@ -84,7 +89,7 @@ def main() -> None:
           f"CPU {cpu_us:.1f} µs/event ({args.events} events, {args.sessions} sessions)")
     print(json.dumps({"bench": "join_member", "events_per_s": round(events_per_s, 1),
                       "cpu_us_per_event": round(cpu_us, 1), "events": args.events,
-                      "sessions": args.sessions}))
+                      "sessions": args.sessions, "default_gc": args.default_gc}))
 
 
 if __name__ == "__main__":

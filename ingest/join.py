@@ -23,6 +23,7 @@ while the partition moved between them.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -471,6 +472,19 @@ class Join:
         self.consumer.close()
         self.producer.close()
         self.db.dispose()
+
+
+# Python's (700, 10, 10) ran the cyclic collector often enough that scanning the join's
+# long-lived heap (recent sessions, decoded) took about a third of its CPU per event
+_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def relax_gc() -> None:
+    """Fewer cyclic-GC passes in a join process: it allocates a few container objects per
+    record (decoded events, rows, tuples), nearly all freed by reference counting, while a
+    full pass scans every cached session. `bench/join_member.py --default-gc` measures the
+    difference. Process-wide: called by the process that runs the join, not by `Join`."""
+    gc.set_threshold(*_GC_THRESHOLDS)
 
 
 def run_join(kafka: KafkaConfig, settings: JoinSettings, *, database_url: str,
