@@ -13,6 +13,7 @@ from sqlalchemy import JSON, Column, Engine
 from sqlmodel import Field, SQLModel, create_engine
 
 from ingest.events import utcnow
+from ingest.sql_tables import create_tables
 
 
 class FeedbackReceipt(SQLModel, table=True):
@@ -71,5 +72,5 @@ def make_db_engine(url: str) -> Engine:
     """Create the engine and the tables (idempotent)."""
     connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
     engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
-    SQLModel.metadata.create_all(engine)
+    create_tables(engine)
     return engine

@@ -49,6 +49,7 @@ from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
 from ingest.log import decode_all
 from ingest.sql_ids import IDS, insert_rows
 from ingest.sql_ids import chunks as _chunks
+from ingest.sql_tables import create_tables
 
 PENDING, MATCHED, EXPIRED = "pending", "matched", "expired"
 E = TypeVar("E", bound=BaseModel)
@@ -183,7 +184,7 @@ def open_state(url: str) -> Engine:
         # the WAL); only a machine crash can lose the last ones, which Kafka re-delivers.
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _begin_immediate)
-    SQLModel.metadata.create_all(engine, tables=TABLES)
+    create_tables(engine, TABLES)
     return engine
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,32 @@ def require_service(name: str, host: str, port: int) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{message} (CI=true: production-profile tests must run)")
     pytest.skip(message)
+
+
+@contextmanager
+def fresh_schema(server_url: str) -> Iterator[str]:
+    """A URL on the PostgreSQL at `server_url` whose search path is a new schema, dropped on
+    exit (tests and `bench/feedback.py --join-database-url`)."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(server_url)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{server_url}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture
+def postgres_schema() -> Iterator[str]:
+    """A fresh schema on the local PostgreSQL (see `fresh_schema`)."""
+    require_service("PostgreSQL", "127.0.0.1", 5432)
+    with fresh_schema(POSTGRES_URL) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from sqlalchemy import JSON, Column, Engine
 from sqlmodel import Field, Session, SQLModel, col, create_engine, select
 
 from ingest.events import utcnow
+from ingest.sql_tables import create_tables
 
 CommandKind = Literal["pause", "resume", "release"]
 STATUS_ROW = 1
@@ -57,7 +58,7 @@ class TrainerStatus(SQLModel, table=True):
 
 def ensure_control_tables(db: Engine) -> Engine:
     tables = [TrainerCommand.__table__, TrainerStatus.__table__]  # type: ignore[attr-defined]
-    SQLModel.metadata.create_all(db, tables=tables)
+    create_tables(db, tables)
     return db
 
 

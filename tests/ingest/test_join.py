@@ -35,7 +35,6 @@ from ingest.join import (
 )
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
-from tests.conftest import POSTGRES_URL, require_service
 
 
 def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
@@ -66,25 +65,12 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The join's SQL state: SQLite by default; `postgres` (indirect parameter) gives a fresh
     schema on the local PostgreSQL, dropped afterwards."""
     if getattr(request, "param", "sqlite") == "sqlite":
-        yield f"sqlite:///{tmp_path / 'join.db'}"
-        return
-    require_service("PostgreSQL", "127.0.0.1", 5432)
-    from sqlalchemy import create_engine, text
-
-    admin = create_engine(POSTGRES_URL)
-    schema = f"join_{uuid.uuid4().hex[:12]}"
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+        return f"sqlite:///{tmp_path / 'join.db'}"
+    return str(request.getfixturevalue("postgres_schema"))
 
 
 @pytest.fixture
