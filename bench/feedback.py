@@ -1,7 +1,7 @@
 """Feedback webhook + join throughput on a real broker, real SQL and real signatures.
 
     .venv/bin/python bench/feedback.py [--single 4000] [--batch-events 40000] [--workers 1]
-                                       [--join-procs <cores>]
+                                       [--join-procs <cores>] [--join-database-url URL]
 
 Starts an embedded broker and the API (uvicorn subprocess, `--workers` processes), drives
 `POST /v1/feedback` and `POST /v1/feedback/batch` at concurrency 32 over keep-alive HTTP/1.1
@@ -9,13 +9,16 @@ connections (a minimal asyncio client, so the client is not what is measured), e
 signed with HMAC-SHA256 at send time (bodies are built beforehand); then produces a session
 for every generation and times the join: feedback events/s from its first timed record to its
 last experience, with one process and with `--join-procs` processes in one consumer group
-(each on its own partitions, one shared SQLite state). `join_events_per_s` is the production
-order: the group reads the sessions (untimed), then the feedback backlog, so each event meets
-a stored session. `join_all_at_once_events_per_s` reads both topics at once from the start:
-most feedback then comes before its session, is stored pending and claimed later (the slow
-path, which production sees only when feedback outruns the session log). Beside wall-clock
-rates it reports the CPU time each part spent per request or event (server, broker, client,
-join), which a loaded machine does not distort, and the load average. Ends with one JSON line.
+(each on its own partitions, one shared SQL state: a SQLite file, or with
+`--join-database-url` a fresh schema per run on that PostgreSQL, as in production).
+`join_events_per_s` is the production order: the group reads the sessions (untimed), then the
+feedback backlog, so each event meets a stored session. `join_all_at_once_events_per_s` reads
+both topics at once from the start: most feedback then comes before its session, is stored
+pending and claimed later (the slow path, which production sees only when feedback outruns
+the session log). Beside wall-clock rates it reports the CPU time each part spent per request
+or event (server, broker, client; for the join its members, the broker and a local
+PostgreSQL), which a loaded machine does not distort, and the load average. Ends with one
+JSON line.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,17 +96,34 @@ def event(generations: list[str], i: int) -> dict[str, object]:
         generations)], "kind": ["accept", "thumbs_down", "reject"][i % 3]}
 
 
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` alone (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its live descendants (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of `pid` and its live descendants."""
     total, pending = 0.0, [pid]
     while pending:
         p = pending.pop()
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
+            total += own_cpu_seconds(p)
             for task in Path(f"/proc/{p}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds of every live PostgreSQL process on this machine (server, backends,
+    workers): the join's database cost when its state is on a local PostgreSQL."""
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "postgres":
+                total += own_cpu_seconds(int(proc.name))
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
@@ -150,12 +172,16 @@ def wait_healthy(port: int, timeout_s: float = 180) -> None:
 class JoinRun:
     """What `bench_join` measured: feedback events per second, from the group's first timed
     record to the last experience, and CPU microseconds per feedback event summed over its
-    members (sessions read in that time included)."""
+    members (sessions read in that time included), with the broker's and, for a local
+    PostgreSQL, the database's over the same span (from the feedback's go to the last
+    experience; None for SQLite, which runs inside the members)."""
 
     procs: int
     sessions_first: bool
     events_per_s: float
     cpu_us_per_event: float
+    broker_cpu_us_per_event: float
+    database_cpu_us_per_event: float | None
 
 
 def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
@@ -203,9 +229,22 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
         join.close()
 
 
-def bench_join(settings: Settings, sessions: int, expected: int, data: Path, procs: int, *,
-               sessions_first: bool) -> JoinRun:
-    """Run `procs` join processes in one group (fresh group, fresh SQLite state) over the
+@contextmanager
+def join_database(data: Path, server_url: str | None) -> Iterator[str]:
+    """Fresh join state for one run: a new SQLite file under `data`, or a new schema on the
+    PostgreSQL at `server_url` (dropped afterwards)."""
+    if server_url is None:
+        yield f"sqlite:///{data / f'join-{uuid.uuid4().hex}.db'}"
+        return
+    from tests.conftest import fresh_schema
+
+    with fresh_schema(server_url) as url:
+        yield url
+
+
+def bench_join(settings: Settings, sessions: int, expected: int, database_url: str,
+               procs: int, broker_pid: int, *, sessions_first: bool) -> JoinRun:
+    """Run `procs` join processes in one group (fresh group, fresh SQL state) over the
     topics until every feedback event became an experience. `sessions_first`: the members
     read every session before the feedback (untimed), as in production, where a generation
     is logged before anyone judges it; else they read both topics at once, and most feedback
@@ -215,11 +254,11 @@ def bench_join(settings: Settings, sessions: int, expected: int, data: Path, pro
     ctx = multiprocessing.get_context("spawn")
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
     join_settings = settings.join.model_copy(update={"group_id": f"bench-{uuid.uuid4().hex}"})
-    database_url = f"sqlite:///{data / f'join-{uuid.uuid4().hex}.db'}"
-    shared = {"go": ctx.Event(), "feedback_go": ctx.Event(), "stop": ctx.Event(),
-              "assigned": ctx.Array("i", procs), "sessions": ctx.Array("q", procs),
-              "experiences": ctx.Array("q", procs),
-              "first": ctx.Array("d", procs), "cpu": ctx.Array("d", procs)}
+    shared: dict[str, Any] = {
+        "go": ctx.Event(), "feedback_go": ctx.Event(), "stop": ctx.Event(),
+        "assigned": ctx.Array("i", procs), "sessions": ctx.Array("q", procs),
+        "experiences": ctx.Array("q", procs), "first": ctx.Array("d", procs),
+        "cpu": ctx.Array("d", procs)}
     members = [ctx.Process(target=_join_member, args=(kafka, join_settings, database_url, i,
                                                       shared)) for i in range(procs)]
     for m in members:
@@ -228,28 +267,43 @@ def bench_join(settings: Settings, sessions: int, expected: int, data: Path, pro
     def wait_for(done: Any, what: str) -> None:
         deadline = time.monotonic() + 120
         while not done():
-            if time.monotonic() > deadline or not all(m.is_alive() for m in members):
-                raise RuntimeError(f"join group: {what}")
+            dead = [m.exitcode for m in members if not m.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"join group: {what}" + (f" (members exited {dead})"
+                                                            if dead else " (timed out)"))
             time.sleep(0.005)
 
+    postgres = database_url.startswith("postgresql")
+
+    def other_cpu() -> tuple[float, float]:
+        return cpu_seconds(broker_pid), postgres_cpu_seconds() if postgres else 0.0
+
     partitions = 2 * kafka.topics.partitions  # sessions + feedback
-    wait_for(lambda: all(shared["assigned"][:]) and sum(shared["assigned"][:]) == partitions,
-             f"did not form: {shared['assigned'][:]}")
-    if sessions_first:
-        shared["go"].set()
-        wait_for(lambda: sum(shared["sessions"][:]) >= sessions, "sessions not read")
-        shared["feedback_go"].set()
-    else:
-        shared["feedback_go"].set()
-        shared["go"].set()
-    wait_for(lambda: sum(shared["experiences"][:]) >= expected, "experiences missing")
-    done = time.perf_counter()
-    shared["stop"].set()
-    for m in members:
-        m.join(timeout=60)
+    try:
+        wait_for(lambda: all(shared["assigned"][:]) and
+                 sum(shared["assigned"][:]) == partitions, "did not form")
+        if sessions_first:
+            shared["go"].set()
+            wait_for(lambda: sum(shared["sessions"][:]) >= sessions, "sessions not read")
+            cpu0 = other_cpu()
+            shared["feedback_go"].set()
+        else:
+            cpu0 = other_cpu()
+            shared["feedback_go"].set()
+            shared["go"].set()
+        wait_for(lambda: sum(shared["experiences"][:]) >= expected, "experiences missing")
+        done = time.perf_counter()
+        broker_cpu, database_cpu = (b - a for a, b in zip(cpu0, other_cpu(), strict=True))
+    finally:
+        shared["stop"].set()
+        for m in members:
+            m.join(timeout=60)
+            if m.is_alive():  # one still waiting for the group polls until killed
+                m.kill()
     started = min(t for t in shared["first"][:] if t)
     return JoinRun(procs, sessions_first, expected / (done - started),
-                   sum(shared["cpu"][:]) / expected * 1e6)
+                   sum(shared["cpu"][:]) / expected * 1e6, broker_cpu / expected * 1e6,
+                   database_cpu / expected * 1e6 if postgres else None)
 
 
 def produce_sessions(settings: Settings, generations: list[str]) -> None:
@@ -281,6 +335,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--join-procs", type=int, default=os.cpu_count() or 1,
                         help="join processes in one consumer group (also timed with one)")
+    parser.add_argument("--join-database-url", default=None,
+                        help="PostgreSQL for the join's state (a fresh schema per run), e.g. "
+                             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres; "
+                             "default: a SQLite file")
     args = parser.parse_args()
     data = Path(tempfile.mkdtemp(prefix="bench-feedback-"))
     broker = EmbeddedBroker.start(log_path=data / "broker.log")
@@ -326,16 +384,23 @@ def main() -> None:
     expected = len(warm) + args.single + n_batch_events
     try:
         produce_sessions(settings, gens)
-        runs = [bench_join(settings, len(gens), expected, data, n, sessions_first=True)
-                for n in sorted({1, args.join_procs})]
-        worst = bench_join(settings, len(gens), expected, data, args.join_procs,
-                           sessions_first=False)
+
+        def timed(procs: int, sessions_first: bool) -> JoinRun:
+            with join_database(data, args.join_database_url) as url:
+                return bench_join(settings, len(gens), expected, url, procs, broker.pid,
+                                  sessions_first=sessions_first)
+
+        runs = [timed(n, True) for n in sorted({1, args.join_procs})]
+        worst = timed(args.join_procs, False)
     finally:
         broker.stop()
     for run in [*runs, worst]:
         print(f"join x{run.procs}, {'sessions first' if run.sessions_first else 'all at once'}:"
               f" {run.events_per_s:.0f} feedback events/s ({expected} events, {len(gens)} "
-              f"sessions); CPU us/event {run.cpu_us_per_event:.1f}")
+              f"sessions); CPU us/event: join {run.cpu_us_per_event:.1f}, broker "
+              f"{run.broker_cpu_us_per_event:.1f}"
+              + (f", database {run.database_cpu_us_per_event:.1f}"
+                 if run.database_cpu_us_per_event is not None else ""))
     join = runs[-1]
     print(json.dumps({"bench": "feedback", "single_rps": round(single_rps, 1),
                       "single_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
@@ -347,7 +412,12 @@ def main() -> None:
                       "join_procs": join.procs,
                       "join_events_per_s_1proc": round(runs[0].events_per_s, 1),
                       "join_cpu_us_per_event": round(join.cpu_us_per_event, 1),
+                      "join_broker_cpu_us_per_event": round(join.broker_cpu_us_per_event, 1),
+                      **({"join_database_cpu_us_per_event":
+                          round(join.database_cpu_us_per_event, 1)}
+                         if join.database_cpu_us_per_event is not None else {}),
                       "join_all_at_once_events_per_s": round(worst.events_per_s, 1),
+                      "join_database": "postgresql" if args.join_database_url else "sqlite",
                       "workers": args.workers, "cores": os.cpu_count(),
                       "loadavg_1m": round(os.getloadavg()[0], 2)}))
 
