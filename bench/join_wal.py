@@ -3,7 +3,7 @@
     .venv/bin/python bench/join_wal.py [--batches 300] [--rows 1000] [--rounds 3]
 
 Writes what the join writes per poll for `--rows` matched feedback events (their feedback
-rows, their outbox rows; then, as after the produce, the watermark) through
+rows, their outbox batch; then, as after the produce, the watermark) through
 `ingest.join_state.writing`, and prunes the outbox every 20 batches as the sweep does, in
 alternating rounds on a fresh file each: `automatic` is SQLite's default (a checkpoint inside
 the COMMIT that takes the log past 1,000 pages, while the writer lock is held); `join` is the
@@ -34,11 +34,11 @@ from ingest.join_state import (  # noqa: E402
     MATCHED,
     FeedbackRow,
     JoinFeedback,
-    OutboxRow,
     add_to_outbox,
     insert_new,
     mark_produced,
     open_state,
+    outbox_row,
     prune_outbox,
     writing,
 )
@@ -77,15 +77,13 @@ def run(mode: str, batches: int, rows: int) -> dict[str, float]:
         for b in range(batches):
             ids = [uuid.uuid4().hex for _ in range(rows)]
             feedback = [FeedbackRow(i, f"gen-{i[:8]}", "", 1.0, MATCHED) for i in ids]
-            outbox = []
-            for i in ids:
-                seq += 1
-                outbox.append(OutboxRow(0, seq, f"exp-{i}", f"gen-{i[:8]}",
-                                        FEEDBACK % (i, i[:8]), 1.0, 2.0))
+            seq += 1
+            batch = outbox_row(0, seq, [(FEEDBACK % (i, i[:8])).encode() for i in ids],
+                               [1.0] * rows, 2.0)
             t = time.perf_counter()
             with writing(engine) as conn:
                 insert_new(conn, JoinFeedback, feedback)
-                add_to_outbox(conn, outbox)
+                add_to_outbox(conn, [batch])
             with writing(engine) as conn:
                 mark_produced(conn, {0: seq}, {(0, 0): seq})
             if b % 20 == 19:

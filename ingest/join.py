@@ -4,11 +4,12 @@ A consumer-group process (`flywheel join`) reads `sessions` and `feedback`, matc
 generation_id in SQL (either may come first), and for every unique feedback event that meets
 its session produces one `ExperienceReady` to `experiences`, keyed by an experience id derived
 from the event id. Each poll runs: store records and matches (one SQL transaction of a few
-set-based statements, the experiences go to an outbox) -> produce the outbox (from memory; after
-a restart, from SQL), await acks, mark it -> commit offsets. Recent sessions stay decoded in
-memory (`RecentSessions`), and each session's members of the experience JSON are serialized
-once (`session_members`), so an experience costs little more than its produce.
-A crash anywhere re-delivers records that the SQL ledger then ignores; outbox rows produced
+set-based statements; the matches go to an outbox, one row per input partition) -> produce
+the outbox (from memory; after a restart, from SQL), await acks, mark it -> commit offsets.
+Recent sessions stay decoded in memory (`RecentSessions`), and each session's members of the
+experience JSON are serialized once (`session_members`), so an experience costs little more
+than its produce.
+A crash anywhere re-delivers records that the SQL ledger then ignores; experiences produced
 but not marked are found on restart by scanning the topic's tail, so nothing counts twice.
 Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
 there with their raw bytes (EventConsumer).
@@ -16,8 +17,8 @@ there with their raw bytes (EventConsumer).
 Several processes scale it out as one consumer group over one SQL state: every producer
 partitions by CRC-32 of the key and both topics are keyed by generation_id, so a generation's
 session and feedback share a partition number, which range assignment gives to one member.
-Each member drains the outbox rows of the partitions it owns (after a rebalance, also those a
-previous owner left), and its sweep matches the halves of a generation that two members stored
+Each member drains the outbox batches of the partitions it owns (after a rebalance, also those
+a previous owner left), and its sweep matches the halves of a generation that two members stored
 while the partition moved between them.
 """
 
@@ -54,12 +55,11 @@ from ingest.join_state import (
     PENDING,
     FeedbackRow,
     JoinFeedback,
-    JoinOutbox,
     JoinProgress,
     JoinSession,
-    OutboxRow,
     SessionRow,
     add_to_outbox,
+    awaited_sessions,
     claim_pending,
     claim_waiting,
     expire_feedback,
@@ -68,6 +68,7 @@ from ingest.join_state import (
     last_seqs,
     mark_produced,
     open_state,
+    outbox_row,
     pending_with_sessions,
     prune_outbox,
     sessions_matched,
@@ -170,10 +171,10 @@ class _Match:
 
 @dataclass
 class _Outgoing:
-    """An outbox row in memory. Its experience JSON is built from `parts` (match, feedback,
-    reward, joined_at member) when it is produced, outside the SQL transaction that stored
-    it. `produce` is False for one a predecessor produced (found in the topic's tail): it is
-    not sent again, only marked with the rest."""
+    """An experience of an outbox batch (`source`, `seq`), in memory. Its JSON is built from
+    `parts` (match, feedback, reward, joined_at member) when it is produced, outside the SQL
+    transaction that stored the batch. `produce` is False for one a predecessor produced
+    (found in the topic's tail): it is not sent again, only marked with the rest."""
 
     source: int
     seq: int
@@ -326,36 +327,48 @@ class Join:
 
     def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, _Match]],
                raws: dict[str, bytes] | None = None) -> None:
-        """Store the matches of `pairs` in the outbox (this transaction) and queue their
-        experiences in memory. `raws`: the feedback JSON as received, by event id, where the
-        caller has it."""
+        """Store the matches of `pairs` in the outbox, one batch per source (this
+        transaction), and queue their experiences in memory. `raws`: the feedback JSON as
+        received, by event id, where the caller has it."""
         rewards, now = self.settings.rewards, utcnow()
         joined, stamp, raws = joined_at_member(now), now.timestamp(), raws or {}
-        stored, outgoing = [], []
+        by_source: dict[int, list[tuple[FeedbackReceived, _Match]]] = {}
         sources: dict[str, int] = {}  # per generation: sessions have many feedback events
         for f, m in pairs:
             generation_id = m.session.generation_id
             source = sources.get(generation_id)
             if source is None:
                 source = sources[generation_id] = self._partition_of(generation_id)
+            by_source.setdefault(source, []).append((f, m))
+        stored, outgoing = [], []
+        for source, batch in by_source.items():
             if source not in self._seqs:  # a record outside this member's partitions
                 self._seqs.update(last_seqs(conn, [source]))
             seq = self._seqs[source] = self._seqs[source] + 1
-            reward, experience_id = reward_for(f, rewards), experience_id_for(f.event_id)
-            raw = raws.get(f.event_id)
-            stored.append(OutboxRow(source, seq, experience_id, generation_id,
-                                    raw.decode() if raw is not None else encode(f).decode(),
-                                    reward, stamp))
-            outgoing.append(_Outgoing(source, seq, experience_id, (m, f, reward, joined)))
+            feedback, batch_rewards = [], []
+            for f, m in batch:
+                reward, raw = reward_for(f, rewards), raws.get(f.event_id)
+                feedback.append(raw if raw is not None else encode(f))
+                batch_rewards.append(reward)
+                outgoing.append(_Outgoing(source, seq, experience_id_for(f.event_id),
+                                          (m, f, reward, joined)))
+            stored.append(outbox_row(source, seq, feedback, batch_rewards, stamp))
         add_to_outbox(conn, stored)
         self._outbox += outgoing
 
     def drain(self) -> None:
-        """Produce every unproduced experience, await the acks, then mark them produced."""
+        """Produce every unproduced experience, await the acks, then mark them produced: in
+        rounds of about _PRODUCE_CHUNK, each ending with a batch (the mark is per batch)."""
         rows, self._outbox = self._outbox, []
         try:
-            for start in range(0, len(rows), _PRODUCE_CHUNK):
-                self._produce(rows[start:start + _PRODUCE_CHUNK])
+            start = 0
+            while start < len(rows):
+                end = min(start + _PRODUCE_CHUNK, len(rows))
+                while end < len(rows) and (rows[end].source, rows[end].seq) == (
+                        rows[end - 1].source, rows[end - 1].seq):
+                    end += 1
+                self._produce(rows[start:end])
+                start = end
         except BaseException:
             self._loaded = False  # reload from SQL: nothing stored is forgotten
             raise
@@ -377,25 +390,32 @@ class Join:
             producer.wait(queued, timeout_s)  # raises the broker's error
         offsets = {p: producer.offset(q) for p, q in last.items()}
         marks: dict[int, int] = {}
-        for row in rows:  # by seq within a source: the last one is its highest
+        for row in rows:  # by seq within a source: the last one is its highest (whole batches)
             marks[row.source] = row.seq
         with writing(self.db) as conn:
             mark_produced(conn, marks, offsets)
         self.stats.experiences += len(sending)
 
     def load_outbox(self) -> None:
-        """Take on the outbox rows of this member's partitions that are not marked produced:
-        those a killed predecessor (or this member, before an error) left. Some it may have
-        produced without marking: a scan of the experiences topic from the last offsets acked
-        for those partitions finds them, and they are marked, not produced again."""
+        """Take on the outbox batches of this member's partitions that are not marked
+        produced: those a killed predecessor (or this member, before an error) left. Some of
+        their experiences it may have produced without marking: a scan of the experiences
+        topic from the last offsets acked for those partitions finds them, and they are
+        marked, not produced again."""
         self._loaded = True
         owned = sorted(self._owned)
         with self.db.connect() as conn:
             self._seqs = last_seqs(conn, owned)
-            rows = [_Outgoing(row.source, row.seq, row.experience_id, (
-                        _Match(session, session_members(session), matched=True), f, row.reward,
-                        joined_at_member(datetime.fromtimestamp(row.joined_at, UTC))))
-                    for row, f, session in unproduced(conn, owned)]
+            matches: dict[str, _Match] = {}
+            rows = []
+            for x in unproduced(conn, owned):
+                match = matches.get(x.session.generation_id)
+                if match is None:
+                    match = matches[x.session.generation_id] = _Match(
+                        x.session, session_members(x.session), matched=True)
+                rows.append(_Outgoing(x.source, x.seq, experience_id_for(x.feedback.event_id), (
+                    match, x.feedback, x.reward,
+                    joined_at_member(datetime.fromtimestamp(x.joined_at, UTC)))))
             progress = conn.execute(select(JoinProgress.source, JoinProgress.partition,
                                            JoinProgress.offset)
                                     .where(JoinProgress.source.in_(owned))).tuples().all()  # type: ignore[attr-defined]
@@ -449,8 +469,7 @@ class Join:
                 select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
                 .where(JoinSession.first_seen < cutoff)).all()
             # a session stays while an experience of it waits to be produced (and rebuilt)
-            waiting = existing_ids(conn, JoinOutbox.generation_id,
-                                   [g for g, _, _ in stale_sessions])
+            waiting = awaited_sessions(conn) if stale_sessions else set()
             stale_sessions = [row for row in stale_sessions if row[0] not in waiting]
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]

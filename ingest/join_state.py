@@ -6,15 +6,16 @@ Five tables, owned by `ingest.join`:
   pending (no session yet; the FeedbackReceived JSON kept for the match), matched, or
   expired. Only pending rows are indexed beyond the key (partial indexes): the ledger grows
   with every event, the lookups are all of pending ones.
-- `join_outbox`: the experiences matched and not yet produced, keyed by the input partition
-  (`source`) of their generation and a sequence number within it: the member that owns the
-  partition numbers its rows (one writer per source, so no shared counter) and produces them
-  in order. A row holds the feedback and the reward, not the experience: that is rebuilt
-  from the stored session when needed (after a crash), so a session judged many times is
-  stored once, whatever its length.
-- `join_produced`: per source, the `seq` up to which its outbox rows are produced (one write
-  per produce round instead of one per row); the sweep deletes the rows below it, and keeps
-  the sessions of the rows above it from expiring.
+- `join_outbox_batch`: the experiences matched and not yet produced, one row per input
+  partition (`source`) of their generations per poll, numbered by a sequence within the
+  source: the member that owns the partition numbers its batches (one writer per source, so
+  no shared counter) and produces them in order. A batch holds the feedback events and their
+  rewards, not the experiences: those are rebuilt from the stored sessions when needed (after
+  a crash), so a session judged many times is stored once, whatever its length. One row per
+  batch, not per experience: a poll's matches cost one insert, not thousands.
+- `join_produced`: per source, the `seq` up to which its batches are produced (one write per
+  produce round); the sweep deletes the batches below it, and keeps the sessions of the
+  batches above it from expiring.
 - `join_progress`: per source and experiences partition, the highest offset the join saw
   acked, so a new owner scans only the tail of the topic for records its predecessor
   produced but did not mark.
@@ -23,6 +24,7 @@ Five tables, owned by `ingest.join`:
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import time
@@ -48,7 +50,7 @@ from sqlalchemy import (
 from sqlmodel import Column, Field, SQLModel, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
-from ingest.log import decode_all
+from ingest.log import decode_all, list_adapter
 from ingest.sql_ids import IDS, insert_rows
 from ingest.sql_ids import chunks as _chunks
 from ingest.sql_tables import create_tables
@@ -84,23 +86,23 @@ class JoinFeedback(SQLModel, table=True):
 
 
 class JoinOutbox(SQLModel, table=True):
-    """A match whose experience is not produced yet: its session is `generation_id`'s row of
-    join_session. A stale member that kept writing after its partition moved collides on
-    the key and fails."""
+    """Matches of one poll in one input partition whose experiences are not all produced yet:
+    `feedback`, their FeedbackReceived events as received (a JSON array), `rewards` theirs
+    (a JSON array, in the same order); each one's session is its generation's join_session
+    row. A stale member that kept writing after its partition moved collides on the key and
+    fails."""
 
-    __tablename__ = "join_outbox"
+    __tablename__ = "join_outbox_batch"
 
-    source: int = Field(primary_key=True)  # the generation's input partition: its owner's
+    source: int = Field(primary_key=True)  # the generations' input partition: its owner's
     seq: int = Field(sa_column=Column(BigInteger, primary_key=True, autoincrement=False))
-    experience_id: str = Field(max_length=128)
-    generation_id: str = Field(max_length=128)
-    feedback: str = Field(sa_column=Column(Text, nullable=False))  # FeedbackReceived JSON
-    reward: float
+    feedback: str = Field(sa_column=Column(Text, nullable=False))
+    rewards: str = Field(sa_column=Column(Text, nullable=False))
     joined_at: float  # unix seconds
 
 
 class JoinProduced(SQLModel, table=True):
-    """Outbox rows of input partition `source` up to `seq` are produced."""
+    """Outbox batches of input partition `source` up to `seq` are produced."""
 
     __tablename__ = "join_produced"
 
@@ -109,8 +111,8 @@ class JoinProduced(SQLModel, table=True):
 
 
 class JoinProgress(SQLModel, table=True):
-    """The highest acked offset on experiences partition `partition` of the outbox rows of
-    input partition `source` (one owner at a time produces those, in order)."""
+    """The highest acked offset on experiences partition `partition` of the outbox batches
+    of input partition `source` (one owner at a time produces those, in order)."""
 
     __tablename__ = "join_progress"
 
@@ -354,24 +356,29 @@ def claim_pending(conn: object, event_ids: Collection[str]) -> set[str]:
 
 
 class OutboxRow(NamedTuple):
-    """A join_outbox row, in column order."""
+    """A join_outbox_batch row, in column order."""
 
     source: int
     seq: int
-    experience_id: str
-    generation_id: str
-    feedback: str
-    reward: float
+    feedback: str  # a JSON array of FeedbackReceived
+    rewards: str  # a JSON array of floats
     joined_at: float
 
 
+def outbox_row(source: int, seq: int, feedback: Sequence[bytes], rewards: Sequence[float],
+               joined_at: float) -> OutboxRow:
+    """The batch of `feedback` (each a FeedbackReceived's JSON) with its `rewards`."""
+    return OutboxRow(source, seq, (b"[" + b",".join(feedback) + b"]").decode(),
+                     json.dumps(list(rewards)), joined_at)
+
+
 def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
-    """INSERT the rows; a key that exists fails (a stale member still writing)."""
+    """INSERT the batches; a key that exists fails (a stale member still writing)."""
     insert_rows(conn, str(JoinOutbox.__tablename__), OutboxRow._fields, rows)
 
 
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
-    """The highest seq each of `sources` used (0 for none): stored rows or produced marks."""
+    """The highest seq each of `sources` used (0 for none): stored batches or produced marks."""
     last = {source: conn.execute(select(func.max(JoinOutbox.seq)).where(  # type: ignore[attr-defined]
         JoinOutbox.source == source)).scalar() or 0 for source in sources}
     for source, seq in produced_marks(conn, sources).items():
@@ -379,29 +386,50 @@ def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
     return last
 
 
-def unproduced(conn: object, sources: Collection[int]
-               ) -> list[tuple[OutboxRow, FeedbackReceived, GenerationLogged]]:
-    """The outbox rows of `sources` not produced yet, by source and seq, each with its
-    feedback and its session decoded."""
-    marks = produced_marks(conn, sources)
-    found: list[tuple[OutboxRow, str]] = []
-    for source in sorted(sources):
-        for *fields, session in conn.execute(  # type: ignore[attr-defined]
-                select(JoinOutbox.source, JoinOutbox.seq, JoinOutbox.experience_id,
-                       JoinOutbox.generation_id, JoinOutbox.feedback, JoinOutbox.reward,
-                       JoinOutbox.joined_at, JoinSession.payload)
-                .join(JoinSession, JoinSession.generation_id == JoinOutbox.generation_id,  # type: ignore[arg-type]
-                      isouter=True)
-                .where(JoinOutbox.source == source, JoinOutbox.seq > marks.get(source, 0))  # type: ignore[arg-type]
-                .order_by(JoinOutbox.seq)):  # type: ignore[arg-type]
-            row = OutboxRow(*fields)
-            if session is None:  # expire() keeps these: a bug if it did not
-                raise RuntimeError(f"outbox row {row.experience_id}: session "
-                                   f"{row.generation_id} is gone")
-            found.append((row, session))
-    feedback = _decoded(FeedbackReceived, [row.feedback for row, _ in found])
-    sessions = _decoded(GenerationLogged, [session for _, session in found])
-    return [(row, f, s) for (row, _), f, s in zip(found, feedback, sessions, strict=True)]
+class Unproduced(NamedTuple):
+    """One experience of an unproduced outbox batch, with what rebuilds it."""
+
+    source: int
+    seq: int
+    feedback: FeedbackReceived
+    reward: float
+    session: GenerationLogged
+    joined_at: float
+
+
+def _unproduced_batches() -> Any:
+    """SELECT the join_outbox_batch rows above their source's produced mark (every column)."""
+    return select(JoinOutbox.source, JoinOutbox.seq, JoinOutbox.feedback, JoinOutbox.rewards,
+                  JoinOutbox.joined_at).join(
+        JoinProduced, JoinProduced.source == JoinOutbox.source, isouter=True).where(  # type: ignore[arg-type]
+        JoinProduced.seq.is_(None) | (JoinOutbox.seq > JoinProduced.seq))  # type: ignore[attr-defined]
+
+
+def unproduced(conn: object, sources: Collection[int]) -> list[Unproduced]:
+    """The experiences of the outbox batches of `sources` not produced yet, by source, seq and
+    place in the batch, each with its feedback and its session decoded."""
+    decode = list_adapter(FeedbackReceived).validate_json
+    found = []
+    for source, seq, feedback, rewards, joined_at in conn.execute(  # type: ignore[attr-defined]
+            _unproduced_batches().where(JoinOutbox.source.in_(sorted(sources)))  # type: ignore[attr-defined]
+            .order_by(JoinOutbox.source, JoinOutbox.seq)):
+        for f, reward in zip(decode(feedback), json.loads(rewards), strict=True):
+            found.append((source, seq, f, reward, joined_at))
+    sessions = stored_sessions(conn, {f.generation_id for _, _, f, _, _ in found})
+    out = []
+    for source, seq, f, reward, joined_at in found:
+        if f.generation_id not in sessions:  # expire() keeps these: a bug if it did not
+            raise RuntimeError(f"outbox batch {source}/{seq}: session {f.generation_id} "
+                               "is gone")
+        out.append(Unproduced(source, seq, f, reward, sessions[f.generation_id][0], joined_at))
+    return out
+
+
+def awaited_sessions(conn: object) -> set[str]:
+    """The generation ids whose sessions an unproduced outbox batch still needs."""
+    return {f["generation_id"] for _, _, feedback, _, _
+            in conn.execute(_unproduced_batches())  # type: ignore[attr-defined]
+            for f in json.loads(feedback)}
 
 
 def produced_marks(conn: object, sources: Collection[int]) -> dict[int, int]:
@@ -421,8 +449,8 @@ def _raise_to(conn: object, table: Any, key: dict[str, int], column: str, value:
 
 def mark_produced(conn: object, marks: dict[int, int],
                   offsets: dict[tuple[int, int], int]) -> None:
-    """Outbox rows up to seq `marks[source]` are produced; remember the highest acked offset
-    per (source, experiences partition)."""
+    """Outbox batches up to seq `marks[source]` are produced; remember the highest acked
+    offset per (source, experiences partition)."""
     for source, seq in marks.items():
         _raise_to(conn, JoinProduced, {"source": source}, "seq", seq)
     for (source, partition), offset in offsets.items():
@@ -431,7 +459,7 @@ def mark_produced(conn: object, marks: dict[int, int],
 
 
 def prune_outbox(conn: object, sources: Collection[int]) -> int:
-    """Delete the produced outbox rows of `sources`; returns how many."""
+    """Delete the produced outbox batches of `sources`; returns how many."""
     deleted = 0
     for source, seq in produced_marks(conn, sources).items():
         deleted += conn.execute(delete(JoinOutbox).where(  # type: ignore[attr-defined]

@@ -228,15 +228,21 @@ class Delivered(Generic[E]):
 _LIST_ADAPTERS: dict[type[BaseModel], TypeAdapter[Any]] = {}
 
 
+def list_adapter(event_type: type[E]) -> TypeAdapter[list[E]]:
+    """pydantic's validator of a JSON array of `event_type` (built once per type)."""
+    adapter = _LIST_ADAPTERS.get(event_type)
+    if adapter is None:
+        adapter = _LIST_ADAPTERS[event_type] = TypeAdapter(list[event_type])  # type: ignore[valid-type]
+    return adapter
+
+
 def decode_all(event_type: type[E], raws: Sequence[bytes]) -> list[E | EventDecodeError]:
     """Decode many records: one pydantic call over them as a JSON array when all are valid
     (the common case), else one by one so each bad record gets its own error."""
     if len(raws) > 1:
-        adapter = _LIST_ADAPTERS.get(event_type)
-        if adapter is None:
-            adapter = _LIST_ADAPTERS[event_type] = TypeAdapter(list[event_type])  # type: ignore[valid-type]
         try:
-            events: list[E] = adapter.validate_json(b"[" + b",".join(raws) + b"]")
+            events: list[E] = list_adapter(event_type).validate_json(
+                b"[" + b",".join(raws) + b"]")
         except ValidationError:
             pass
         else:

@@ -206,17 +206,15 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
     first.drain = lambda: None  # type: ignore[method-assign]  # crash before producing
     run_until(first, lambda: first.stats.feedback == 2)
     # the predecessor got one of the two out before dying, unmarked
-    from sqlmodel import Session, select
+    from ingest.join_state import unproduced
 
-    from ingest.join_state import JoinOutbox
-
-    with Session(first.db) as s:
-        row = s.exec(select(JoinOutbox).where(
-            JoinOutbox.experience_id == experience_id_for(events[0].event_id))).one()
-    assert row.generation_id == "gen-c"
-    assert row.reward == reward_for(events[0], first.settings.rewards)
-    producer.send(kafka.topics.experiences, row.experience_id, build_experience(
-        session, events[0], row.reward)).get(timeout=10)
+    with first.db.connect() as conn:
+        stored = unproduced(conn, range(first.producer.partitions(kafka.topics.feedback)))
+    assert [(x.feedback.event_id, x.session.generation_id, x.reward) for x in stored] == [
+        (e.event_id, "gen-c", reward_for(e, first.settings.rewards)) for e in events]
+    assert len({(x.source, x.seq) for x in stored}) == 1  # one batch: one poll, one partition
+    producer.send(kafka.topics.experiences, experience_id_for(events[0].event_id),
+                  build_experience(session, events[0], stored[0].reward)).get(timeout=10)
     first.close()
     second = make_join()
     run_until(second, lambda: second.stats.experiences == 1, timeout_s=40)
