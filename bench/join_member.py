@@ -6,7 +6,9 @@ The piece of `bench/feedback.py` to profile (`py-spy record --pid …` once it p
 `ready`) or to compare two versions of the join with (alternate runs: on a shared 2-core
 machine one run's CPU per event moves by ±10%). Produces the sessions and the feedback
 straight to an embedded broker (no HTTP), reads the sessions untimed, then times the
-feedback: events/s and CPU µs per event of this process. Ends with one JSON line.
+feedback: events/s, CPU µs per event of this process, and the join loop's idle µs per event
+(wall time its thread spent off the CPU: waiting for the broker, SQLite or the interpreter
+lock). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -77,18 +79,22 @@ def main() -> None:
         join.consumer.on_assigned.remove(hold_feedback)
         join.consumer.resume()
         print(f"ready: pid {os.getpid()}", flush=True)
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         while join.stats.experiences < args.events:
             join.step()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        main = time.thread_time() - main
         join.close()
     finally:
         broker.stop()
     events_per_s, cpu_us = args.events / wall, cpu / args.events * 1e6
+    idle_us = (wall - main) / args.events * 1e6
     print(f"join x1, sessions first: {events_per_s:.0f} feedback events/s, "
-          f"CPU {cpu_us:.1f} µs/event ({args.events} events, {args.sessions} sessions)")
+          f"CPU {cpu_us:.1f} µs/event, join loop idle {idle_us:.1f} µs/event ({args.events} "
+          f"events, {args.sessions} sessions)")
     print(json.dumps({"bench": "join_member", "events_per_s": round(events_per_s, 1),
-                      "cpu_us_per_event": round(cpu_us, 1), "events": args.events,
+                      "cpu_us_per_event": round(cpu_us, 1),
+                      "loop_idle_us_per_event": round(idle_us, 1), "events": args.events,
                       "sessions": args.sessions, "default_gc": args.default_gc}))
 
 
