@@ -4,11 +4,12 @@ A consumer-group process (`flywheel join`) reads `sessions` and `feedback`, matc
 generation_id in SQL (either may come first), and for every unique feedback event that meets
 its session produces one `ExperienceReady` to `experiences`, keyed by an experience id derived
 from the event id. Each poll runs: store records and matches (one SQL transaction of a few
-set-based statements; the matches go to an outbox, one row per input partition) -> produce
-the outbox (from memory; after a restart, from SQL), await acks, mark it -> commit offsets.
+set-based statements; the matches go to an outbox, one row per input partition) -> commit
+the offsets -> send the experiences (from memory; after a restart, from SQL) without waiting:
+their acks are taken during the next poll and marked by its transaction (`ingest.join_outbox`).
 Recent sessions stay decoded in memory (`RecentSessions`), and each session's members of the
-experience JSON are serialized once (`session_members`), so an experience costs little more
-than its produce.
+experience JSON are serialized once (`ingest.experience_json`), so an experience costs little
+more than its produce.
 A crash anywhere re-delivers records that the SQL ledger then ignores; experiences produced
 but not marked are found on restart by scanning the topic's tail, so nothing counts twice.
 Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
@@ -27,7 +28,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable
@@ -36,20 +36,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kafka import TopicPartition
-from pydantic import TypeAdapter
 from sqlalchemy import Connection, select
 
 from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import (
-    SCHEMA_VERSION,
     DeadLetter,
-    ExperienceReady,
     FeedbackReceived,
     GenerationLogged,
     encode,
     experience_id_for,
     utcnow,
 )
+from ingest.experience_json import joined_at_member, session_members
+from ingest.join_outbox import Match, Outbox, Outgoing
 from ingest.join_state import (
     MATCHED,
     PENDING,
@@ -89,7 +88,6 @@ from ingest.rewards import reward_for
 from ingest.sql_ids import existing_ids
 
 log = logging.getLogger(__name__)
-_PRODUCE_CHUNK = 20_000  # experiences per produce-and-mark round
 
 
 @dataclass
@@ -104,101 +102,18 @@ class JoinStats:
     dead_letters: int = 0
 
 
-def build_experience(session: GenerationLogged, feedback: FeedbackReceived,
-                     reward: float) -> ExperienceReady:
-    return ExperienceReady(
-        experience_id=experience_id_for(feedback.event_id), generation_id=session.generation_id,
-        feedback_event_ids=[feedback.event_id], feedback_kind=feedback.kind,
-        feedback_value=feedback.value, reward=reward, model_version=session.model_version,
-        model_sha256=session.model_sha256, prompt_token_ids=session.prompt_token_ids,
-        completion_token_ids=session.completion_token_ids, logprobs=session.logprobs,
-        routed_experts=session.routed_experts, sampling=session.sampling,
-        finish_reason=session.finish_reason, generated_at=session.created_at)
-
-
-_SESSION_PART = {"model_version", "model_sha256", "prompt_token_ids", "completion_token_ids",
-                 "logprobs", "routed_experts", "sampling", "finish_reason"}
-_TIME = TypeAdapter(datetime)
-
-
-def session_members(session: GenerationLogged) -> bytes:
-    """The session's members of every ExperienceReady it yields, as JSON object members
-    (`"model_version":…,"generated_at":…`), serialized once per session."""
-    members = session.model_dump_json(include=_SESSION_PART)[1:-1]
-    return members.encode() + b',"generated_at":' + _TIME.dump_json(session.created_at)
-
-
-def joined_at_member(joined_at: datetime) -> bytes:
-    return b',"joined_at":' + _TIME.dump_json(joined_at)
-
-
-def experience_json(session: GenerationLogged, members: bytes, feedback: FeedbackReceived,
-                    reward: float, joined: bytes) -> bytes:
-    """`encode(build_experience(session, feedback, reward))` up to member order, from the
-    session's pre-serialized members and `joined_at_member(...)`: only the feedback's few
-    fields are serialized here. SPLICED_FIELDS must stay all of ExperienceReady's fields."""
-    value = feedback.value
-    if not math.isfinite(reward) or (value is not None and not math.isfinite(value)):
-        return encode(build_experience(session, feedback, reward))  # pydantic's rules for them
-    string = _json_string
-    head = (f'{{"event":"ExperienceReady","schema_version":{SCHEMA_VERSION},'
-            f'"experience_id":{string(experience_id_for(feedback.event_id))},'
-            f'"generation_id":{string(session.generation_id)},'
-            f'"feedback_event_ids":[{string(feedback.event_id)}],'
-            f'"feedback_kind":{string(feedback.kind)},'
-            f'"feedback_value":{"null" if value is None else float.__repr__(value)},'
-            f'"reward":{float.__repr__(float(reward))},')
-    return head.encode() + members + joined + b"}"
-
-
-_json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C: '"…"'
-
-
-SPLICED_FIELDS = {"event", "schema_version", "experience_id", "generation_id",
-                  "feedback_event_ids", "feedback_kind", "feedback_value", "reward",
-                  "generated_at", "joined_at", *_SESSION_PART}
-
-
-@dataclass
-class _Match:
-    """A session as the join uses it: decoded once, its experience members serialized once,
-    and whether its stored row is marked matched already (so it is written once)."""
-
-    session: GenerationLogged
-    members: bytes
-    matched: bool = False
-
-
-@dataclass
-class _Outgoing:
-    """An experience of an outbox batch (`source`, `seq`), in memory. Its JSON is built from
-    `parts` (match, feedback, reward, joined_at member) when it is produced, outside the SQL
-    transaction that stored the batch. `produce` is False for one a predecessor produced
-    (found in the topic's tail): it is not sent again, only marked with the rest."""
-
-    source: int
-    seq: int
-    experience_id: str
-    parts: tuple[_Match, FeedbackReceived, float, bytes]
-    produce: bool = True
-
-    def payload(self) -> bytes:
-        match, feedback, reward, joined = self.parts
-        return experience_json(match.session, match.members, feedback, reward, joined)
-
-
 class RecentSessions:
     """The last `capacity` sessions this join stored, decoded: feedback mostly follows its
     session closely, and then needs neither the SQL read nor a second decode of it."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: dict[str, _Match] = {}
+        self._items: dict[str, Match] = {}
 
-    def get(self, generation_id: str) -> _Match | None:
+    def get(self, generation_id: str) -> Match | None:
         return self._items.get(generation_id)
 
-    def add(self, matches: dict[str, _Match]) -> None:
+    def add(self, matches: dict[str, Match]) -> None:
         items = self._items
         items.update(matches)
         for _ in range(len(items) - self.capacity):
@@ -225,21 +140,28 @@ class Join:
             kafka, group_id=settings.group_id, dlq=self.producer, name="join",
             types={topics.sessions: GenerationLogged, topics.feedback: FeedbackReceived},
             max_poll_records=settings.max_poll_records)
+        self.outbox = Outbox(self.producer, topics.experiences,
+                             timeout_s=kafka.delivery_timeout_ms / 1000)
         self._next_sweep = 0.0
         self._loaded = False  # the outbox holds what a predecessor left (see `load_outbox`)
-        self._outbox: list[_Outgoing] = []  # stored, not produced yet, by seq
         self._seqs: dict[int, int] = {}  # the last outbox seq used, per owned source
         self._recent = RecentSessions(settings.session_cache)
         self._owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
+        self.consumer.on_revoked.append(self._revoked)
         self.consumer.on_assigned.append(self._assigned)
+
+    def _revoked(self, _partitions: set[TopicPartition]) -> None:
+        """Before a rebalance moves partitions: the experiences in flight land and are marked,
+        so their next owner's tail scan sees every record this member produced."""
+        self.settle()
 
     def _assigned(self, partitions: set[TopicPartition]) -> None:
         """A rebalance gave this member `partitions`: it now owns their generations' outbox
-        rows, including any a previous owner left unproduced (the step loads them)."""
+        batches, including any a previous owner left unproduced (the step loads them)."""
         self._owned = {tp.partition for tp in partitions
                        if tp.topic == self.kafka.topics.feedback}
         self._loaded = False
-        self._outbox = []
+        self.outbox.clear()
 
     def _partition_of(self, generation_id: str) -> int:
         """The input partition of a generation (sessions and feedback are co-partitioned)."""
@@ -255,23 +177,57 @@ class Join:
         return self.stats
 
     def step(self) -> int:
-        """One poll: store, match, produce, commit; returns the records it handled."""
-        records = self.consumer.poll(timeout_ms=self.settings.poll_timeout_ms)
+        """One poll: store and match (one transaction), commit the offsets, send the
+        experiences; the acks of earlier ones are taken on the way (`Outbox`), and waited
+        for when the poll brought nothing to overlap them with. Returns the records handled."""
+        records = self.consumer.poll(
+            timeout_ms=0 if self.outbox.in_flight else self.settings.poll_timeout_ms)
         if not self._loaded:  # after a poll that (re)joined the group: the previous
             self.load_outbox()  # owner's in-flight produce requests have landed
-        if records:
-            self.absorb(records)
-        self.drain()
-        if records:
-            self.consumer.commit()
-        if self.clock() >= self._next_sweep:
-            self.rematch()
-            with writing(self.db) as conn:
-                prune_outbox(conn, self._owned)
-            self.expire()
-            self._next_sweep = self.clock() + self.settings.sweep_every_s
+        try:
+            if records:
+                self.absorb(records)
+                self.consumer.commit()  # what depends on the records is stored
+            if self.clock() >= self._next_sweep:
+                self.sweep()
+            self.outbox.send()
+            self.outbox.settle(block=not records)
+        except BaseException:
+            self.outbox.clear()
+            self._loaded = False  # reload from SQL: nothing stored is forgotten
+            raise
+        if not records:
+            self._write_marks()
+        self.stats.experiences = self.outbox.produced
         self.stats.dead_letters = self.consumer.dead_letters
         return len(records)
+
+    def sweep(self) -> None:
+        """Every `sweep_every_s`: match what two members left pending, delete the produced
+        outbox batches, expire what stayed unmatched."""
+        self.rematch()
+        with writing(self.db) as conn:
+            prune_outbox(conn, self._owned)
+        self.expire()
+        self._next_sweep = self.clock() + self.settings.sweep_every_s
+
+    def settle(self) -> None:
+        """Wait for the experiences in flight, then mark them produced."""
+        self.outbox.settle(block=True)
+        self._write_marks()
+        self.stats.experiences = self.outbox.produced
+
+    def _write_marks(self, conn: Connection | None = None) -> None:
+        """Mark what the broker acked as produced: in `conn`'s transaction, else in one of
+        its own (only if there is something to mark)."""
+        marks = self.outbox.take_marks()
+        if not marks:
+            return
+        if conn is not None:
+            mark_produced(conn, marks.seqs, marks.offsets)
+            return
+        with writing(self.db) as own:
+            mark_produced(own, marks.seqs, marks.offsets)
 
     def absorb(self, records: list[Delivered[Any]]) -> None:
         """Store sessions and new feedback, and queue an experience per new match: new
@@ -287,7 +243,7 @@ class Join:
             fresh = [d.event for e, d in feedback.items() if e not in known]
             self.stats.duplicates += sum(isinstance(d.event, FeedbackReceived)
                                          for d in records) - len(fresh)
-            matches = {g: _Match(d.event, session_members(d.event))
+            matches = {g: Match(d.event, session_members(d.event))
                        for g, d in sessions.items()}
             stored = self._stored_matches(conn, {f.generation_id for f in fresh} - set(sessions))
             matches.update(stored)
@@ -314,25 +270,26 @@ class Join:
             raws = {e: d.raw for e, d in feedback.items()}
             raws.update((f.event_id, raw.encode()) for f, raw in waiting)
             self._queue(conn, pairs, raws)
+            self._write_marks(conn)
         self._recent.add({g: matches[g] for g in sessions})
 
-    def _stored_matches(self, conn: Connection, generation_ids: set[str]) -> dict[str, _Match]:
+    def _stored_matches(self, conn: Connection, generation_ids: set[str]) -> dict[str, Match]:
         """Stored sessions among `generation_ids`: recent ones from memory, others from SQL."""
         found = {g: m for g in generation_ids if (m := self._recent.get(g)) is not None}
         loaded = stored_sessions(conn, generation_ids - set(found))
-        fetched = {g: _Match(s, session_members(s), matched)
+        fetched = {g: Match(s, session_members(s), matched)
                    for g, (s, matched) in loaded.items()}
         self._recent.add(fetched)
         return {**found, **fetched}
 
-    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, _Match]],
+    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, Match]],
                raws: dict[str, bytes] | None = None) -> None:
         """Store the matches of `pairs` in the outbox, one batch per source (this
         transaction), and queue their experiences in memory. `raws`: the feedback JSON as
         received, by event id, where the caller has it."""
         rewards, now = self.settings.rewards, utcnow()
         joined, stamp, raws = joined_at_member(now), now.timestamp(), raws or {}
-        by_source: dict[int, list[tuple[FeedbackReceived, _Match]]] = {}
+        by_source: dict[int, list[tuple[FeedbackReceived, Match]]] = {}
         sources: dict[str, int] = {}  # per generation: sessions have many feedback events
         for f, m in pairs:
             generation_id = m.session.generation_id
@@ -350,51 +307,11 @@ class Join:
                 reward, raw = reward_for(f, rewards), raws.get(f.event_id)
                 feedback.append(raw if raw is not None else encode(f))
                 batch_rewards.append(reward)
-                outgoing.append(_Outgoing(source, seq, experience_id_for(f.event_id),
-                                          (m, f, reward, joined)))
+                outgoing.append(Outgoing(source, seq, experience_id_for(f.event_id),
+                                         (m, f, reward, joined)))
             stored.append(outbox_row(source, seq, feedback, batch_rewards, stamp))
         add_to_outbox(conn, stored)
-        self._outbox += outgoing
-
-    def drain(self) -> None:
-        """Produce every unproduced experience, await the acks, then mark them produced: in
-        rounds of about _PRODUCE_CHUNK, each ending with a batch (the mark is per batch)."""
-        rows, self._outbox = self._outbox, []
-        try:
-            start = 0
-            while start < len(rows):
-                end = min(start + _PRODUCE_CHUNK, len(rows))
-                while end < len(rows) and (rows[end].source, rows[end].seq) == (
-                        rows[end - 1].source, rows[end - 1].seq):
-                    end += 1
-                self._produce(rows[start:end])
-                start = end
-        except BaseException:
-            self._loaded = False  # reload from SQL: nothing stored is forgotten
-            raise
-
-    def _produce(self, rows: list[_Outgoing]) -> None:
-        producer, topic = self.producer, self.kafka.topics.experiences
-        partitions = producer.partitions(topic)
-        sending = [row for row in rows if row.produce]
-        records = []
-        for row in sending:
-            key = row.experience_id.encode()
-            records.append((partition_for(key, partitions), key, row.payload()))
-        queued = producer.send_many(topic, records)
-        last = {(row.source, partition): q for row, (partition, _, _), q
-                in zip(sending, records, queued, strict=True)}
-        if queued:
-            timeout_s = self.kafka.delivery_timeout_ms / 1000
-            producer.flush(timeout_s)
-            producer.wait(queued, timeout_s)  # raises the broker's error
-        offsets = {p: producer.offset(q) for p, q in last.items()}
-        marks: dict[int, int] = {}
-        for row in rows:  # by seq within a source: the last one is its highest (whole batches)
-            marks[row.source] = row.seq
-        with writing(self.db) as conn:
-            mark_produced(conn, marks, offsets)
-        self.stats.experiences += len(sending)
+        self.outbox.add(outgoing)
 
     def load_outbox(self) -> None:
         """Take on the outbox batches of this member's partitions that are not marked
@@ -406,20 +323,20 @@ class Join:
         owned = sorted(self._owned)
         with self.db.connect() as conn:
             self._seqs = last_seqs(conn, owned)
-            matches: dict[str, _Match] = {}
+            matches: dict[str, Match] = {}
             rows = []
             for x in unproduced(conn, owned):
                 match = matches.get(x.session.generation_id)
                 if match is None:
-                    match = matches[x.session.generation_id] = _Match(
+                    match = matches[x.session.generation_id] = Match(
                         x.session, session_members(x.session), matched=True)
-                rows.append(_Outgoing(x.source, x.seq, experience_id_for(x.feedback.event_id), (
+                rows.append(Outgoing(x.source, x.seq, experience_id_for(x.feedback.event_id), (
                     match, x.feedback, x.reward,
                     joined_at_member(datetime.fromtimestamp(x.joined_at, UTC)))))
             progress = conn.execute(select(JoinProgress.source, JoinProgress.partition,
                                            JoinProgress.offset)
                                     .where(JoinProgress.source.in_(owned))).tuples().all()  # type: ignore[attr-defined]
-        self._outbox = rows
+        self.outbox.add(rows)
         if not rows:
             return
         # a source's unmarked rows were produced after its marked ones: from the earliest
@@ -448,7 +365,7 @@ class Join:
             if not found:
                 return
             claimed = claim_pending(conn, [f.event_id for f, _ in found])
-            pairs = [(f, _Match(s, session_members(s), matched=True)) for f, s in found
+            pairs = [(f, Match(s, session_members(s), matched=True)) for f, s in found
                      if f.event_id in claimed]
             sessions_matched(conn, {m.session.generation_id for _, m in pairs})
             self._queue(conn, pairs)
@@ -456,7 +373,6 @@ class Join:
         if pairs:
             log.info("join: %d pending feedback events met sessions stored meanwhile",
                      len(pairs))
-            self.drain()
 
     def expire(self) -> None:
         """Send entries unmatched for `expire_after_s` to the DLQ, then forget them."""
@@ -488,9 +404,13 @@ class Join:
         self.stats.expired_sessions += sum(1 for *_, m in stale_sessions if not m)
 
     def close(self) -> None:
-        self.consumer.close()
-        self.producer.close()
-        self.db.dispose()
+        """Let the experiences in flight land and mark them, then close the clients."""
+        try:
+            self.settle()
+        finally:
+            self.consumer.close()
+            self.producer.close()
+            self.db.dispose()
 
 
 # Python's (700, 10, 10) ran the cyclic collector often enough that scanning the join's

@@ -183,6 +183,12 @@ class EventProducer:
                 raise future.value[2](position)
 
     @staticmethod
+    def acked(queued: Sequence[Queued]) -> bool:
+        """Whether the broker answered for every one of `send_many`'s records (acked or
+        failed): `wait` then returns, or raises, at once."""
+        return all(future.is_done for future in {id(q.batch): q.batch for q in queued}.values())
+
+    @staticmethod
     def offset(queued: Queued) -> int:
         """The offset of an acked record of `send_many` (after `wait`)."""
         return int(queued.batch.value[0]) + queued.position

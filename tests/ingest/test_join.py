@@ -25,14 +25,14 @@ from ingest.events import (
     SamplingParams,
     experience_id_for,
 )
-from ingest.join import (
+from ingest.experience_json import (
     SPLICED_FIELDS,
-    Join,
     build_experience,
     experience_json,
     joined_at_member,
     session_members,
 )
+from ingest.join import Join
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
 
@@ -203,7 +203,7 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
     producer.send(kafka.topics.sessions, "gen-c", session)
     producer.flush()
     first = make_join()
-    first.drain = lambda: None  # type: ignore[method-assign]  # crash before producing
+    first.outbox.send = lambda: None  # type: ignore[method-assign]  # crash before producing
     run_until(first, lambda: first.stats.feedback == 2)
     # the predecessor got one of the two out before dying, unmarked
     from ingest.join_state import unproduced
