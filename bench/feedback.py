@@ -1,6 +1,6 @@
 """Feedback webhook + join throughput on a real broker, real SQL and real signatures.
 
-    .venv/bin/python bench/feedback.py [--single 4000] [--batch-events 40000] [--workers 1]
+    .venv/bin/python bench/feedback.py [--single 4000] [--batch-events 200000] [--workers 1]
                                        [--join-procs <cores>] [--join-database-url URL]
 
 Starts an embedded broker and the API (uvicorn subprocess, `--workers` processes), drives
@@ -329,7 +329,9 @@ def phase(port: int, path: str, bodies: list[bytes], meter_pids: tuple[int, int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--single", type=int, default=4000)
-    parser.add_argument("--batch-events", type=int, default=40_000)
+    # 200,000: the join's timed span must hold many polls per member; over 40,000 it lasted
+    # about 1.5 s, a few polls each, and start-up dominated (docs/feedback.md)
+    parser.add_argument("--batch-events", type=int, default=200_000)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--generations", type=int, default=5000)
     parser.add_argument("--workers", type=int, default=1)
