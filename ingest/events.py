@@ -20,12 +20,12 @@ import hashlib
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 DType = Literal["int16", "int32", "int64", "float32", "uint8"]
 
 

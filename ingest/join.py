@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kafka import TopicPartition
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection
 
 from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import (
@@ -54,9 +54,9 @@ from ingest.join_state import (
     PENDING,
     FeedbackRow,
     JoinFeedback,
-    JoinProgress,
     JoinSession,
     SessionRow,
+    acked_offsets,
     add_to_outbox,
     awaited_sessions,
     claim_pending,
@@ -72,6 +72,7 @@ from ingest.join_state import (
     prune_outbox,
     sessions_matched,
     stale_pending,
+    stale_sessions,
     stored_sessions,
     unproduced,
     writing,
@@ -333,9 +334,7 @@ class Join:
                 rows.append(Outgoing(x.source, x.seq, experience_id_for(x.feedback.event_id), (
                     match, x.feedback, x.reward,
                     joined_at_member(datetime.fromtimestamp(x.joined_at, UTC)))))
-            progress = conn.execute(select(JoinProgress.source, JoinProgress.partition,
-                                           JoinProgress.offset)
-                                    .where(JoinProgress.source.in_(owned))).tuples().all()  # type: ignore[attr-defined]
+            progress = acked_offsets(conn, owned)
         self.outbox.add(rows)
         if not rows:
             return
@@ -381,16 +380,14 @@ class Join:
         topics = self.kafka.topics
         with self.db.connect() as conn:
             stale_feedback = stale_pending(conn, cutoff)
-            stale_sessions = conn.execute(
-                select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
-                .where(JoinSession.first_seen < cutoff)).all()
+            old_sessions = stale_sessions(conn, cutoff)
             # a session stays while an experience of it waits to be produced (and rebuilt)
-            waiting = awaited_sessions(conn) if stale_sessions else set()
-            stale_sessions = [row for row in stale_sessions if row[0] not in waiting]
+            waiting = awaited_sessions(conn) if old_sessions else set()
+            old_sessions = [row for row in old_sessions if row[0] not in waiting]
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
         letters += [(topics.sessions, g, p, f"unmatched: no feedback for generation {g} "
-                     f"within {window}") for g, p, matched in stale_sessions if not matched]
+                     f"within {window}") for g, p, matched in old_sessions if not matched]
         futures = [self.producer.send(topics.dlq, g, DeadLetter.of(
             topic=topic, raw=p.encode(), key=g.encode(), reason=reason, consumer="join"))
             for topic, g, p, reason in letters]
@@ -398,10 +395,10 @@ class Join:
             future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
         with writing(self.db) as conn:
             expire_feedback(conn, [e for e, _, _ in stale_feedback])
-            forget_sessions(conn, [g for g, _, _ in stale_sessions])
-        self._recent.forget(g for g, _, _ in stale_sessions)
+            forget_sessions(conn, [g for g, _, _ in old_sessions])
+        self._recent.forget(g for g, _, _ in old_sessions)
         self.stats.expired_feedback += len(stale_feedback)
-        self.stats.expired_sessions += sum(1 for *_, m in stale_sessions if not m)
+        self.stats.expired_sessions += sum(1 for *_, m in old_sessions if not m)
 
     def close(self) -> None:
         """Let the experiences in flight land and mark them, then close the clients."""

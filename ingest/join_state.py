@@ -47,7 +47,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlmodel import Column, Field, SQLModel, create_engine
+from sqlmodel import Column, Field, SQLModel, col, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
 from ingest.log import decode_all, list_adapter
@@ -277,8 +277,9 @@ def stored_sessions(conn: object, generation_ids: Collection[str]
     matched: list[bool] = []
     for chunk in _chunks(generation_ids):
         for generation_id, payload, flag in conn.execute(  # type: ignore[attr-defined]
-                select(JoinSession.generation_id, JoinSession.payload, JoinSession.matched)
-                .where(JoinSession.generation_id.in_(IDS)),  # type: ignore[attr-defined]
+                select(col(JoinSession.generation_id), col(JoinSession.payload),
+                       col(JoinSession.matched))
+                .where(col(JoinSession.generation_id).in_(IDS)),  # type: ignore[attr-defined]
                 {"ids": chunk}):
             ids.append(generation_id)
             payloads.append(payload)
@@ -313,8 +314,9 @@ def pending_with_sessions(conn: object, keep: Callable[[str], bool]
     moves between them mid-poll (each stored its half before seeing the other's). The sweep
     matches them."""
     rows = [(f, s) for g, f, s in conn.execute(  # type: ignore[attr-defined]
-        select(JoinFeedback.generation_id, JoinFeedback.payload, JoinSession.payload).join(
-            JoinSession, JoinSession.generation_id == JoinFeedback.generation_id)  # type: ignore[arg-type]
+        select(col(JoinFeedback.generation_id), col(JoinFeedback.payload),
+               col(JoinSession.payload)).join(
+            JoinSession, col(JoinSession.generation_id) == col(JoinFeedback.generation_id))
         .where(_IS_PENDING)) if keep(g)]
     feedback = _decoded(FeedbackReceived, [f for f, _ in rows])
     sessions = _decoded(GenerationLogged, [s for _, s in rows])
@@ -324,8 +326,17 @@ def pending_with_sessions(conn: object, keep: Callable[[str], bool]
 def stale_pending(conn: object, cutoff: float) -> list[tuple[str, str, str]]:
     """(event id, generation id, payload) of feedback pending since before `cutoff`."""
     return conn.execute(  # type: ignore[attr-defined]
-        select(JoinFeedback.event_id, JoinFeedback.generation_id, JoinFeedback.payload)
-        .where(_IS_PENDING, JoinFeedback.first_seen < cutoff)).tuples().all()
+        select(col(JoinFeedback.event_id), col(JoinFeedback.generation_id),
+               col(JoinFeedback.payload))
+        .where(_IS_PENDING, col(JoinFeedback.first_seen) < cutoff)).tuples().all()
+
+
+def stale_sessions(conn: object, cutoff: float) -> list[tuple[str, str, bool]]:
+    """(generation id, payload, matched) of the sessions first seen before `cutoff`."""
+    return conn.execute(  # type: ignore[attr-defined]
+        select(col(JoinSession.generation_id), col(JoinSession.payload),
+               col(JoinSession.matched))
+        .where(col(JoinSession.first_seen) < cutoff)).tuples().all()
 
 
 def expire_feedback(conn: object, event_ids: Collection[str]) -> None:
@@ -380,7 +391,7 @@ def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
     """The highest seq each of `sources` used (0 for none): stored batches or produced marks."""
     last = {source: conn.execute(select(func.max(JoinOutbox.seq)).where(  # type: ignore[attr-defined]
-        JoinOutbox.source == source)).scalar() or 0 for source in sources}
+        col(JoinOutbox.source) == source)).scalar() or 0 for source in sources}
     for source, seq in produced_marks(conn, sources).items():
         last[source] = max(last[source], seq)
     return last
@@ -399,8 +410,8 @@ class Unproduced(NamedTuple):
 
 def _unproduced_batches() -> Any:
     """SELECT the join_outbox_batch rows above their source's produced mark (every column)."""
-    return select(JoinOutbox.source, JoinOutbox.seq, JoinOutbox.feedback, JoinOutbox.rewards,
-                  JoinOutbox.joined_at).join(
+    return select(col(JoinOutbox.source), col(JoinOutbox.seq), col(JoinOutbox.feedback),
+                  col(JoinOutbox.rewards), col(JoinOutbox.joined_at)).join(
         JoinProduced, JoinProduced.source == JoinOutbox.source, isouter=True).where(  # type: ignore[arg-type]
         JoinProduced.seq.is_(None) | (JoinOutbox.seq > JoinProduced.seq))  # type: ignore[attr-defined]
 
@@ -433,8 +444,15 @@ def awaited_sessions(conn: object) -> set[str]:
 
 
 def produced_marks(conn: object, sources: Collection[int]) -> dict[int, int]:
-    return dict(conn.execute(select(JoinProduced.source, JoinProduced.seq).where(  # type: ignore[attr-defined]
+    return dict(conn.execute(select(col(JoinProduced.source), col(JoinProduced.seq)).where(  # type: ignore[attr-defined]
         JoinProduced.source.in_(sorted(sources)))).tuples().all())  # type: ignore[attr-defined]
+
+
+def acked_offsets(conn: object, sources: Collection[int]) -> list[tuple[int, int, int]]:
+    """(source, experiences partition, offset): the highest offsets acked for `sources`."""
+    return conn.execute(  # type: ignore[attr-defined]
+        select(col(JoinProgress.source), col(JoinProgress.partition), col(JoinProgress.offset))
+        .where(col(JoinProgress.source).in_(sorted(sources)))).tuples().all()
 
 
 def _raise_to(conn: object, table: Any, key: dict[str, int], column: str, value: int) -> None:

@@ -15,7 +15,7 @@ import torch
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def state_dict_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:

@@ -75,7 +75,7 @@ def aligned_prefix_preference(model_dir: Path, *, size: int = 160, seed: int = 7
     special = set(tok.all_special_ids)
     prefixes: list[str] = []
     for token_id in scores.argsort(descending=True).tolist():
-        text = tok.decode([token_id])
+        text = str(tok.decode([token_id]))
         if token_id in special or not text.strip() or "\ufffd" in text:
             continue
         prefixes.append(text)

@@ -233,6 +233,7 @@ class OnlineLoop:
             return
         self._next_control = time.monotonic() + self.cfg.control_every_s
         for command in self.control.pending():
+            result: dict[str, Any]
             if command.kind == "pause":
                 self.paused, result = True, {"paused": True}
             elif command.kind == "resume":
