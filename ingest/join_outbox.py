@@ -21,7 +21,9 @@ from ingest.experience_json import experience_json
 from ingest.log import EventProducer, Queued, partition_for
 
 PRODUCE_CHUNK = 20_000  # experiences per round, about (a round ends with an outbox batch)
-MAX_IN_FLIGHT = 2  # rounds sent and not acked; `send` waits for the oldest past this
+# rounds sent and not acked; `send` waits for the oldest past this. The bound on what the join
+# holds for the broker: kafka-python's accumulator has no memory limit of its own
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
