@@ -319,8 +319,8 @@ class Join:
         produced: those a killed predecessor (or this member, before an error) left. Some of
         their experiences it may have produced without marking: a scan of the experiences
         topic from the last offsets acked for those partitions finds them, and they are
-        marked, not produced again."""
-        self._loaded = True
+        marked, not produced again. Loaded only once the scan has told them apart: a
+        failed scan leaves the outbox empty and the next step loads again."""
         owned = sorted(self._owned)
         with self.db.connect() as conn:
             self._seqs = last_seqs(conn, owned)
@@ -335,11 +335,16 @@ class Join:
                     match, x.feedback, x.reward,
                     joined_at_member(datetime.fromtimestamp(x.joined_at, UTC)))))
             progress = acked_offsets(conn, owned)
+        if rows:
+            self._skip_produced(rows, progress)
         self.outbox.add(rows)
-        if not rows:
-            return
-        # a source's unmarked rows were produced after its marked ones: from the earliest
-        # acked offset among the sources with rows pending (0 where one has none yet)
+        self._loaded = True
+
+    def _skip_produced(self, rows: list[Outgoing], progress: list[tuple[int, int, int]]
+                       ) -> None:
+        """Mark `produce=False` on the rows found on the experiences topic: a source's
+        unmarked rows were produced after its marked ones, so the scan starts at the earliest
+        acked offset among the sources with rows pending (0 where one has none yet)."""
         sources = {row.source for row in rows}
         acked: dict[int, dict[int, int]] = {}
         for source, partition, offset in progress:
