@@ -2,7 +2,8 @@
 
 Requests queue their events for one writer thread, which takes everything queued at once
 (group commit): ids received lately are answered from memory, the rest with one SQL query;
-every new event is produced (its partition computed here from its generation_id), the
+every new event is produced (its partition computed here from its key: the generation_id, or
+a session verdict's session_id), the
 producer is flushed and the acks checked, then one INSERT … ON CONFLICT DO NOTHING records
 the receipts and one callback per event loop wakes the waiting requests. A receipt is written
 only after the broker acknowledged its event, so a crash in between re-produces on retry (the
@@ -177,12 +178,13 @@ class FeedbackIntake:
         return flags
 
     def _produce(self, events: list[FeedbackReceived]) -> None:
-        """Send every event keyed by its generation_id, flush, and fail if any was refused."""
+        """Send every event keyed by its key (generation_id, or a verdict's session_id), flush,
+        and fail if any was refused."""
         producer, topic = self.producer, self.topic
         partitions = producer.partitions(topic)
         records = []
         for e in events:
-            key = e.generation_id.encode("utf-8")
+            key = e.key.encode("utf-8")
             records.append((partition_for(key, partitions), key, encode(e)))
         queued = producer.send_many(topic, records)
         producer.flush(self.delivery_timeout_s)  # the group is the batch: no linger
@@ -216,7 +218,9 @@ class ReceiptLedger:
 
     def record(self, events: list[FeedbackReceived]) -> None:
         now = self._to_db(utcnow())
-        rows = [(e.event_id, e.generation_id, e.kind, now) for e in events]
+        # the receipt's generation_id column holds the event's key: a session verdict's is
+        # its session_id (nothing reads the column; see app.db.FeedbackReceipt)
+        rows = [(e.event_id, e.key, e.kind, now) for e in events]
         with self._transaction() as conn:
             insert_rows(conn, self._table, ("event_id", "generation_id", "kind", "received_at"),
                         rows, skip_existing=True)

@@ -14,10 +14,12 @@ from ingest.events import FeedbackKind
 
 
 class FeedbackRequest(BaseModel):
-    """What the product sends about one generation."""
+    """What the product sends about one generation (`generation_id`), or its verdict on a
+    whole agent session (`session_id`: every generation of it): exactly one of the two."""
 
     event_id: str = Field(min_length=1, max_length=128)
-    generation_id: str = Field(min_length=1, max_length=128)
+    generation_id: str | None = Field(default=None, min_length=1, max_length=128)
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
     kind: FeedbackKind
     value: float | None = None
     occurred_at: datetime | None = None

@@ -66,7 +66,15 @@ class RewardMap(BaseModel):
 
 
 class JoinSettings(BaseModel):
-    """The sessions x feedback join (`flywheel join`, ingest/join.py)."""
+    """The sessions x feedback join (`flywheel join`, ingest/join.py).
+
+    Session verdicts (feedback about a whole agent session, ingest/join_sessions.py): a
+    verdict is expanded `session_settle_s` after the join stored it (the sessions log may lag
+    the verdict), into one experience per generation of the session stored by then and
+    generated no later than the verdict; turn k of T gets the verdict's reward times
+    `session_discount ** (T - 1 - k)`: 1.0 (the default) gives every turn the session's
+    outcome, as the bootstrap's multi-turn episodes do; below 1 the early turns get less.
+    """
 
     group_id: str = Field(default="flywheel-join", min_length=1)
     database_url: str | None = None  # None: SQLite `join.db` under the data dir
@@ -78,4 +86,6 @@ class JoinSettings(BaseModel):
     max_poll_records: int = Field(default=20_000, ge=1, le=100_000)
     session_cache: int = Field(default=10_000, ge=0)  # recent sessions kept decoded in memory
     poll_timeout_ms: int = Field(default=200, ge=1)
+    session_settle_s: float = Field(default=2.0, ge=0)
+    session_discount: float = Field(default=1.0, gt=0, le=1)
     rewards: RewardMap = RewardMap()

@@ -7,16 +7,24 @@ Invariants (checked on decode, so a consumer never sees a record that breaks the
   when present, has shape (P + T - 1, moe_layers, top_k): one row per position that went
   through the model (the last sampled token is never fed back).
 - `FeedbackReceived.event_id` is the idempotency key; `edit_kept` carries the kept fraction.
-- Every record carries `schema_version`; a consumer rejects versions it does not know (DLQ).
+  It judges one generation (`generation_id`) or one whole agent session (`session_id`, a
+  verdict): exactly one of the two is set, and it is the record's key (`key`). Version 1
+  records (before session verdicts) have a generation_id and no session_id.
+- `ExperienceReady.session_id`, `turn` and `turns` are all set (an experience of a session
+  verdict: turn k of T, 0 <= k < T) or all None (feedback about one generation); version 1
+  records have none of them.
+- Every record carries `schema_version`, per type; a consumer rejects versions it does not
+  know (DLQ) and decodes every older version it lists.
 
-Topics and keys: sessions/feedback keyed by generation_id, experiences by experience_id, dlq
-keyed by the original key.
+Topics and keys: sessions keyed by generation_id, feedback by generation_id or session_id
+(`FeedbackReceived.key`), experiences by experience_id, dlq keyed by the original key.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -25,7 +33,10 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 1  # the types still at their first version
+FEEDBACK_SCHEMA_VERSION: Final = 2  # 2: session verdicts (session_id)
+EXPERIENCE_SCHEMA_VERSION: Final = 2  # 2: session_id, turn, turns
+ROLLOUT_SCHEMA_VERSION: Final = 2  # 2: each trajectory's anti-cheat flags
 DType = Literal["int16", "int32", "int64", "float32", "uint8"]
 
 
@@ -118,12 +129,14 @@ FeedbackKind = Literal["accept", "reject", "thumbs_up", "thumbs_down", "edit_kep
 
 
 class FeedbackReceived(BaseModel):
-    """A user's judgment of one generation, as the product reported it."""
+    """A user's judgment, as the product reported it: of one generation (`generation_id`), or
+    a verdict on one whole agent session (`session_id`, every generation that carries it)."""
 
     event: Literal["FeedbackReceived"] = "FeedbackReceived"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = FEEDBACK_SCHEMA_VERSION
     event_id: Annotated[str, Field(min_length=1, max_length=128)]
-    generation_id: Annotated[str, Field(min_length=1, max_length=128)]
+    generation_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    session_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
     kind: FeedbackKind
     value: float | None = None
     occurred_at: datetime = Field(default_factory=utcnow)
@@ -131,28 +144,53 @@ class FeedbackReceived(BaseModel):
     source: str = Field(default="api", max_length=64)
 
     @model_validator(mode="after")
+    def _one_subject(self) -> FeedbackReceived:
+        if (self.generation_id is None) == (self.session_id is None):
+            given = "both" if self.generation_id is not None else "neither"
+            raise ValueError("give exactly one of generation_id (feedback about one "
+                             f"generation) and session_id (a verdict on a whole session), "
+                             f"not {given}")
+        if self.schema_version == 1 and self.session_id is not None:
+            raise ValueError("schema_version 1 has no session_id: send version 2")
+        return self
+
+    @model_validator(mode="after")
     def _value_fits_kind(self) -> FeedbackReceived:
         if self.kind == "edit_kept" and (self.value is None or not 0.0 <= self.value <= 1.0):
             raise ValueError("edit_kept needs value: the kept fraction in [0, 1]")
         return self
 
+    @property
+    def key(self) -> str:
+        """The record's key on `feedback`, which also picks its partition: the generation_id,
+        or for a session verdict the session_id."""
+        key = self.generation_id if self.generation_id is not None else self.session_id
+        assert key is not None  # `_one_subject` guarantees one of them
+        return key
+
 
 class ExperienceReady(BaseModel):
     """One generation joined with one feedback event: the tokens as served and their reward.
 
-    `experience_id` derives from the feedback event id (`experience_id_for`), so a re-produced
-    record after a crash carries the same key and downstream dedupes on it. Arrays follow
+    `experience_id` derives from the feedback event id, and for a session verdict from the
+    generation id too (`experience_id_for`), so a re-produced record after a crash carries the
+    same key and downstream dedupes on it. A session verdict yields one experience per turn:
+    `session_id`, `turn` (0-based, in the order the turns were generated) and `turns` say
+    which; all three are None for feedback about one generation. Arrays follow
     `GenerationLogged`: `logprobs` (behavior policy) has the length of `completion_token_ids`;
     `routed_experts`, when present, has shape (P + T - 1, moe_layers, top_k).
     """
 
     event: Literal["ExperienceReady"] = "ExperienceReady"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = EXPERIENCE_SCHEMA_VERSION
     experience_id: str = Field(min_length=1, max_length=128)
     generation_id: str = Field(min_length=1, max_length=128)
     feedback_event_ids: list[str] = Field(min_length=1)
     feedback_kind: FeedbackKind
     feedback_value: float | None = None
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    turn: int | None = Field(default=None, ge=0)
+    turns: int | None = Field(default=None, ge=1)
     reward: float
     model_version: int = Field(ge=0)
     model_sha256: str
@@ -172,10 +210,27 @@ class ExperienceReady(BaseModel):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {t} tokens")
         return self
 
+    @model_validator(mode="after")
+    def _turn_of_a_session(self) -> ExperienceReady:
+        given = [x is not None for x in (self.session_id, self.turn, self.turns)]
+        if any(given) and not all(given):
+            raise ValueError("session_id, turn and turns go together (a session verdict's "
+                             "experience) or are all null")
+        if self.turn is not None and self.turns is not None and self.turn >= self.turns:
+            raise ValueError(f"turn {self.turn} is not one of the session's {self.turns}")
+        if self.schema_version == 1 and any(given):
+            raise ValueError("schema_version 1 has no session_id, turn or turns")
+        return self
 
-def experience_id_for(event_id: str) -> str:
-    """The experience id of the one experience a feedback event yields (stable across runs)."""
-    return "exp-" + hashlib.sha256(event_id.encode("utf-8")).hexdigest()[:32]
+
+def experience_id_for(event_id: str, generation_id: str | None = None) -> str:
+    """The id of the experience a feedback event yields (stable across runs): from the event
+    id alone for feedback about one generation (its only experience), from the event id and
+    the generation for a session verdict (one experience per generation of the session)."""
+    if generation_id is None:
+        return "exp-" + hashlib.sha256(event_id.encode("utf-8")).hexdigest()[:32]
+    pair = json.dumps([event_id, generation_id]).encode("utf-8")  # unambiguous, unlike a join
+    return "exp-" + hashlib.sha256(pair).hexdigest()[:32]
 
 
 class RolloutTrajectory(BaseModel):
@@ -185,6 +240,8 @@ class RolloutTrajectory(BaseModel):
     mask is 0) have one entry per token; `segment_lengths` splits them into the context windows
     (self-summarization starts a new one) and sums to their length. `routed_experts`, when
     present, has one row per token (rows past what the engine routed are zero padding).
+    `flags` are the anti-cheat checks that zeroed `reward` (`simulate.rewards`); [] when
+    clean.
     """
 
     token_ids: PackedArray
@@ -195,6 +252,7 @@ class RolloutTrajectory(BaseModel):
     reward: float
     turns: int = Field(ge=0)
     finished: bool
+    flags: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _aligned(self) -> RolloutTrajectory:
@@ -213,7 +271,7 @@ class RolloutGroup(BaseModel):
     """G rollouts of one task by one policy version: the unit GRPO normalizes rewards over."""
 
     event: Literal["RolloutGroup"] = "RolloutGroup"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = ROLLOUT_SCHEMA_VERSION
     group_id: str = Field(min_length=1, max_length=128)
     task_id: str = Field(min_length=1, max_length=256)
     policy_version: int = Field(ge=0)

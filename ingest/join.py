@@ -15,6 +15,9 @@ but not marked are found on restart by scanning the topic's tail, so nothing cou
 Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
 there with their raw bytes (EventConsumer).
 
+Feedback may also be a verdict on a whole agent session (`session_id`, keyed by it): it
+becomes one experience per turn of the session, once settled (`ingest.join_sessions`).
+
 Several processes scale it out as one consumer group over one SQL state: every producer
 partitions by CRC-32 of the key and both topics are keyed by generation_id, so a generation's
 session and feedback share a partition number, which range assignment gives to one member.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -44,11 +48,12 @@ from ingest.events import (
     FeedbackReceived,
     GenerationLogged,
     encode,
-    experience_id_for,
     utcnow,
 )
-from ingest.experience_json import joined_at_member, session_members
+from ingest.experience_json import experience_id_of, joined_at_member, session_members
 from ingest.join_outbox import Match, Outbox, Outgoing
+from ingest.join_sessions import Judged, SessionVerdicts
+from ingest.join_sessions_state import expire_verdicts, forget_turns, stale_verdicts, turn_row
 from ingest.join_state import (
     MATCHED,
     PENDING,
@@ -101,6 +106,9 @@ class JoinStats:
     expired_sessions: int = 0
     rematched: int = 0
     dead_letters: int = 0
+    verdicts: int = 0  # session verdicts among `feedback`
+    verdicts_expanded: int = 0
+    expired_verdicts: int = 0
 
 
 class RecentSessions:
@@ -148,6 +156,8 @@ class Join:
         self._seqs: dict[int, int] = {}  # the last outbox seq used, per owned source
         self._recent = RecentSessions(settings.session_cache)
         self._owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
+        self.verdicts = SessionVerdicts(self.db, settings, clock, lookup=self._stored_matches,
+                                        store=self._store_batches)
         self.consumer.on_revoked.append(self._revoked)
         self.consumer.on_assigned.append(self._assigned)
 
@@ -163,6 +173,7 @@ class Join:
                        if tp.topic == self.kafka.topics.feedback}
         self._loaded = False
         self.outbox.clear()
+        self.verdicts.due = -math.inf  # verdicts a previous owner left pending
 
     def _partition_of(self, generation_id: str) -> int:
         """The input partition of a generation (sessions and feedback are co-partitioned)."""
@@ -191,6 +202,8 @@ class Join:
                 self.consumer.commit()  # what depends on the records is stored
             if self.clock() >= self._next_sweep:
                 self.sweep()
+            elif self.clock() >= self.verdicts.due:
+                self.expand_verdicts()
             self.outbox.send()
             self.outbox.settle(block=not records)
         except BaseException:
@@ -204,9 +217,10 @@ class Join:
         return len(records)
 
     def sweep(self) -> None:
-        """Every `sweep_every_s`: match what two members left pending, delete the produced
-        outbox batches, expire what stayed unmatched."""
+        """Every `sweep_every_s`: match what two members left pending, expand the settled
+        session verdicts, delete the produced outbox batches, expire what stayed unmatched."""
         self.rematch()
+        self.expand_verdicts()
         with writing(self.db) as conn:
             prune_outbox(conn, self._owned)
         self.expire()
@@ -233,41 +247,40 @@ class Join:
     def absorb(self, records: list[Delivered[Any]]) -> None:
         """Store sessions and new feedback, and queue an experience per new match: new
         feedback meets sessions of this poll or stored ones; sessions of this poll meet
-        stored pending feedback. One transaction, a few set-based statements."""
+        stored pending feedback. Session verdicts are stored, to be expanded once settled.
+        One transaction, a few set-based statements."""
         now = self.clock()
-        sessions = {d.event.generation_id: d for d in records
-                    if isinstance(d.event, GenerationLogged)}
-        feedback = {d.event.event_id: d for d in records
-                    if isinstance(d.event, FeedbackReceived)}
+        sessions, feedback, verdicts, received = _split(records)
         with writing(self.db) as conn:
             known = existing_ids(conn, JoinFeedback.event_id, feedback)
+            # feedback about one generation: its `key` is the generation_id
             fresh = [d.event for e, d in feedback.items() if e not in known]
-            self.stats.duplicates += sum(isinstance(d.event, FeedbackReceived)
-                                         for d in records) - len(fresh)
             matches = {g: Match(d.event, session_members(d.event))
                        for g, d in sessions.items()}
-            stored = self._stored_matches(conn, {f.generation_id for f in fresh} - set(sessions))
+            stored = self._stored_matches(conn, {f.key for f in fresh} - set(sessions))
             matches.update(stored)
             waiting = claim_waiting(conn, set(sessions))
-            pairs = [(f, matches[f.generation_id]) for f in fresh
-                     if f.generation_id in matches]
-            pairs += [(f, matches[f.generation_id]) for f, _ in waiting]
-            matched_generations = {f.generation_id for f, _ in pairs}
+            pairs = [(f, matches[f.key]) for f in fresh if f.key in matches]
+            pairs += [(f, matches[f.key]) for f, _ in waiting]
+            matched_generations = {f.key for f, _ in pairs}
             insert_new(conn, JoinSession, [
                 SessionRow(g, d.raw.decode(), now, g in matched_generations)
                 for g, d in sessions.items()])
             # a matched event's payload is never read again: only pending ones keep it
             insert_new(conn, JoinFeedback, [
-                FeedbackRow(f.event_id, f.generation_id, "", now, MATCHED)
-                if f.generation_id in matches else
-                FeedbackRow(f.event_id, f.generation_id, feedback[f.event_id].raw.decode(), now,
+                FeedbackRow(f.event_id, f.key, "", now, MATCHED) if f.key in matches else
+                FeedbackRow(f.event_id, f.key, feedback[f.event_id].raw.decode(), now,
                             PENDING) for f in fresh])
+            new_verdicts = self.verdicts.absorb(
+                conn, [d.event for d in sessions.values()], list(verdicts.values()), now)
             newly = [g for g in matched_generations if not matches[g].matched]
             sessions_matched(conn, set(newly) - set(sessions))
             for g in newly:
                 matches[g].matched = True
             self.stats.sessions += len(sessions)
-            self.stats.feedback += len(fresh)
+            self.stats.feedback += len(fresh) + new_verdicts
+            self.stats.verdicts += new_verdicts
+            self.stats.duplicates += received - len(fresh) - new_verdicts
             raws = {e: d.raw for e, d in feedback.items()}
             raws.update((f.event_id, raw.encode()) for f, raw in waiting)
             self._queue(conn, pairs, raws)
@@ -285,33 +298,43 @@ class Join:
 
     def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, Match]],
                raws: dict[str, bytes] | None = None) -> None:
-        """Store the matches of `pairs` in the outbox, one batch per source (this
-        transaction), and queue their experiences in memory. `raws`: the feedback JSON as
-        received, by event id, where the caller has it."""
-        rewards, now = self.settings.rewards, utcnow()
-        joined, stamp, raws = joined_at_member(now), now.timestamp(), raws or {}
-        by_source: dict[int, list[tuple[FeedbackReceived, Match]]] = {}
+        """Store the matches of `pairs` (feedback about one generation) in the outbox, one
+        batch per source (this transaction), and queue their experiences in memory. `raws`:
+        the feedback JSON as received, by event id, where the caller has it."""
+        rewards = self.settings.rewards
+        by_source: dict[int, list[Judged]] = {}
         sources: dict[str, int] = {}  # per generation: sessions have many feedback events
         for f, m in pairs:
             generation_id = m.session.generation_id
             source = sources.get(generation_id)
             if source is None:
                 source = sources[generation_id] = self._partition_of(generation_id)
-            by_source.setdefault(source, []).append((f, m))
-        stored, outgoing = [], []
+            by_source.setdefault(source, []).append((f, m, reward_for(f, rewards), None))
+        self._store_batches(conn, by_source, raws or {})
+
+    def _store_batches(self, conn: Connection, by_source: dict[int, list[Judged]],
+                       raws: dict[str, bytes]) -> None:
+        """One outbox batch per source of `by_source` (and the turns of a session verdict's
+        experiences), in this transaction; their experiences queued in memory."""
+        now = utcnow()
+        joined, stamp = joined_at_member(now), now.timestamp()
+        stored, turn_rows, outgoing = [], [], []
         for source, batch in by_source.items():
             if source not in self._seqs:  # a record outside this member's partitions
                 self._seqs.update(last_seqs(conn, [source]))
             seq = self._seqs[source] = self._seqs[source] + 1
-            feedback, batch_rewards = [], []
-            for f, m in batch:
-                reward, raw = reward_for(f, rewards), raws.get(f.event_id)
+            feedback, batch_rewards, turns = [], [], []
+            for f, m, reward, turn in batch:
+                raw, generation_id = raws.get(f.event_id), m.session.generation_id
                 feedback.append(raw if raw is not None else encode(f))
                 batch_rewards.append(reward)
-                outgoing.append(Outgoing(source, seq, experience_id_for(f.event_id),
-                                         (m, f, reward, joined)))
+                turns.append(None if turn is None else (generation_id, turn))
+                outgoing.append(Outgoing(source, seq, experience_id_of(f, generation_id),
+                                         (m, f, reward, joined), turn=turn))
             stored.append(outbox_row(source, seq, feedback, batch_rewards, stamp))
-        add_to_outbox(conn, stored)
+            if (row := turn_row(source, seq, turns)) is not None:
+                turn_rows.append(row)
+        add_to_outbox(conn, stored, turn_rows)
         self.outbox.add(outgoing)
 
     def load_outbox(self) -> None:
@@ -331,9 +354,10 @@ class Join:
                 if match is None:
                     match = matches[x.session.generation_id] = Match(
                         x.session, session_members(x.session), matched=True)
-                rows.append(Outgoing(x.source, x.seq, experience_id_for(x.feedback.event_id), (
-                    match, x.feedback, x.reward,
-                    joined_at_member(datetime.fromtimestamp(x.joined_at, UTC)))))
+                rows.append(Outgoing(
+                    x.source, x.seq, experience_id_of(x.feedback, x.session.generation_id),
+                    (match, x.feedback, x.reward,
+                     joined_at_member(datetime.fromtimestamp(x.joined_at, UTC))), turn=x.turn))
             progress = acked_offsets(conn, owned)
         if rows:
             self._skip_produced(rows, progress)
@@ -378,6 +402,12 @@ class Join:
             log.info("join: %d pending feedback events met sessions stored meanwhile",
                      len(pairs))
 
+    def expand_verdicts(self) -> None:
+        """Expand the settled session verdicts of this member's partitions into experiences
+        (`SessionVerdicts.expand`)."""
+        verdicts, _ = self.verdicts.expand(self._owned)
+        self.stats.verdicts_expanded += verdicts
+
     def expire(self) -> None:
         """Send entries unmatched for `expire_after_s` to the DLQ, then forget them."""
         cutoff = self.clock() - self.settings.expire_after_s
@@ -385,12 +415,15 @@ class Join:
         topics = self.kafka.topics
         with self.db.connect() as conn:
             stale_feedback = stale_pending(conn, cutoff)
+            verdicts = stale_verdicts(conn, cutoff)
             old_sessions = stale_sessions(conn, cutoff)
             # a session stays while an experience of it waits to be produced (and rebuilt)
             waiting = awaited_sessions(conn) if old_sessions else set()
             old_sessions = [row for row in old_sessions if row[0] not in waiting]
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
+        letters += [(topics.feedback, s, p, f"unmatched: no generation of session {s} "
+                     f"within {window}") for _, s, p in verdicts]
         letters += [(topics.sessions, g, p, f"unmatched: no feedback for generation {g} "
                      f"within {window}") for g, p, matched in old_sessions if not matched]
         futures = [self.producer.send(topics.dlq, g, DeadLetter.of(
@@ -400,9 +433,12 @@ class Join:
             future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
         with writing(self.db) as conn:
             expire_feedback(conn, [e for e, _, _ in stale_feedback])
+            expire_verdicts(conn, [e for e, _, _ in verdicts])
             forget_sessions(conn, [g for g, _, _ in old_sessions])
+            forget_turns(conn, [g for g, _, _ in old_sessions])
         self._recent.forget(g for g, _, _ in old_sessions)
         self.stats.expired_feedback += len(stale_feedback)
+        self.stats.expired_verdicts += len(verdicts)
         self.stats.expired_sessions += sum(1 for *_, m in old_sessions if not m)
 
     def close(self) -> None:
@@ -413,6 +449,25 @@ class Join:
             self.consumer.close()
             self.producer.close()
             self.db.dispose()
+
+
+def _split(records: list[Delivered[Any]]) -> tuple[
+        dict[str, Delivered[Any]], dict[str, Delivered[Any]], dict[str, Delivered[Any]], int]:
+    """A poll's sessions by generation id, its feedback about one generation and its session
+    verdicts by event id (a repeat within the poll kept once), and how many feedback records
+    it held (repeats included)."""
+    sessions: dict[str, Delivered[Any]] = {}
+    feedback: dict[str, Delivered[Any]] = {}
+    verdicts: dict[str, Delivered[Any]] = {}
+    received = 0
+    for d in records:
+        event = d.event
+        if isinstance(event, GenerationLogged):
+            sessions[event.generation_id] = d
+        else:
+            received += 1
+            (feedback if event.session_id is None else verdicts)[event.event_id] = d
+    return sessions, feedback, verdicts, received
 
 
 # Python's (700, 10, 10) ran the cyclic collector often enough that scanning the join's

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ingest.events import FeedbackReceived, GenerationLogged
-from ingest.experience_json import experience_json
+from ingest.experience_json import Turn, experience_json
 from ingest.log import EventProducer, Queued, partition_for
 
 PRODUCE_CHUNK = 20_000  # experiences per round, about (a round ends with an outbox batch)
@@ -39,19 +39,22 @@ class Match:
 @dataclass
 class Outgoing:
     """An experience of outbox batch (`source`, `seq`). Its JSON is built from `parts`
-    (match, feedback, reward, joined_at member) when it is sent, outside the SQL transaction
-    that stored the batch. `produce` is False for one a predecessor produced (found in the
-    topic's tail): it is not sent again, only marked with the rest."""
+    (match, feedback, reward, joined_at member) and, for a session verdict's, `turn` when it
+    is sent, outside the SQL transaction that stored the batch. `produce` is False for one a
+    predecessor produced (found in the topic's tail): it is not sent again, only marked with
+    the rest."""
 
     source: int
     seq: int
     experience_id: str
     parts: tuple[Match, FeedbackReceived, float, bytes]
     produce: bool = True
+    turn: Turn | None = None
 
     def payload(self) -> bytes:
         match, feedback, reward, joined = self.parts
-        return experience_json(match.session, match.members, feedback, reward, joined)
+        return experience_json(match.session, match.members, feedback, reward, joined,
+                               self.turn)
 
 
 @dataclass

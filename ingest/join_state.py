@@ -1,6 +1,6 @@
 """The join's memory in SQL (SQLite under the data dir by default, PostgreSQL by URL).
 
-Five tables, owned by `ingest.join`:
+Five tables, owned by `ingest.join` (session verdicts add three: `ingest.join_sessions_state`):
 - `join_session`: sessions seen (the GenerationLogged JSON), until they expire.
 - `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
   pending (no session yet; the FeedbackReceived JSON kept for the match), matched, or
@@ -12,7 +12,9 @@ Five tables, owned by `ingest.join`:
   no shared counter) and produces them in order. A batch holds the feedback events and their
   rewards, not the experiences: those are rebuilt from the stored sessions when needed (after
   a crash), so a session judged many times is stored once, whatever its length. One row per
-  batch, not per experience: a poll's matches cost one insert, not thousands.
+  batch, not per experience: a poll's matches cost one insert, not thousands. (A session
+  verdict's experiences go in batches of the verdict's own input partition, and
+  `join_outbox_turn` names the generation and turn of each.)
 - `join_produced`: per source, the `seq` up to which its batches are produced (one write per
   produce round); the sweep deletes the batches below it, and keeps the sessions of the
   batches above it from expiring.
@@ -50,6 +52,8 @@ from sqlalchemy import (
 from sqlmodel import Column, Field, SQLModel, col, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
+from ingest.experience_json import Turn
+from ingest.join_sessions_state import SESSION_TABLES, JoinOutboxTurn, TurnRow, decode_turns
 from ingest.log import decode_all, list_adapter
 from ingest.sql_ids import IDS, insert_rows
 from ingest.sql_ids import chunks as _chunks
@@ -123,7 +127,7 @@ class JoinProgress(SQLModel, table=True):
 
 TABLES = [JoinSession.__table__, JoinFeedback.__table__,  # type: ignore[attr-defined]
           JoinOutbox.__table__, JoinProduced.__table__,  # type: ignore[attr-defined]
-          JoinProgress.__table__]  # type: ignore[attr-defined]
+          JoinProgress.__table__, *SESSION_TABLES]  # type: ignore[attr-defined]
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -383,9 +387,12 @@ def outbox_row(source: int, seq: int, feedback: Sequence[bytes], rewards: Sequen
                      json.dumps(list(rewards)), joined_at)
 
 
-def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow]) -> None:
-    """INSERT the batches; a key that exists fails (a stale member still writing)."""
+def add_to_outbox(conn: Connection, rows: Sequence[OutboxRow],
+                  turns: Sequence[TurnRow] = ()) -> None:
+    """INSERT the batches (and the turns of those that hold session verdicts'); a key that
+    exists fails (a stale member still writing)."""
     insert_rows(conn, str(JoinOutbox.__tablename__), OutboxRow._fields, rows)
+    insert_rows(conn, str(JoinOutboxTurn.__tablename__), TurnRow._fields, turns)
 
 
 def last_seqs(conn: object, sources: Collection[int]) -> dict[int, int]:
@@ -406,13 +413,18 @@ class Unproduced(NamedTuple):
     reward: float
     session: GenerationLogged
     joined_at: float
+    turn: Turn | None = None  # a session verdict's experience: which turn `session` is
 
 
 def _unproduced_batches() -> Any:
-    """SELECT the join_outbox_batch rows above their source's produced mark (every column)."""
+    """SELECT the join_outbox_batch rows above their source's produced mark (every column),
+    with their join_outbox_turn's `turns` (NULL for most)."""
     return select(col(JoinOutbox.source), col(JoinOutbox.seq), col(JoinOutbox.feedback),
-                  col(JoinOutbox.rewards), col(JoinOutbox.joined_at)).join(
-        JoinProduced, JoinProduced.source == JoinOutbox.source, isouter=True).where(  # type: ignore[arg-type]
+                  col(JoinOutbox.rewards), col(JoinOutbox.joined_at),
+                  col(JoinOutboxTurn.turns)).join(
+        JoinProduced, JoinProduced.source == JoinOutbox.source, isouter=True).join(  # type: ignore[arg-type]
+        JoinOutboxTurn, (JoinOutboxTurn.source == JoinOutbox.source)  # type: ignore[arg-type]
+        & (JoinOutboxTurn.seq == JoinOutbox.seq), isouter=True).where(  # type: ignore[arg-type]
         JoinProduced.seq.is_(None) | (JoinOutbox.seq > JoinProduced.seq))  # type: ignore[attr-defined]
 
 
@@ -421,26 +433,32 @@ def unproduced(conn: object, sources: Collection[int]) -> list[Unproduced]:
     place in the batch, each with its feedback and its session decoded."""
     decode = list_adapter(FeedbackReceived).validate_json
     found = []
-    for source, seq, feedback, rewards, joined_at in conn.execute(  # type: ignore[attr-defined]
+    for source, seq, feedback, rewards, joined_at, turns in conn.execute(  # type: ignore[attr-defined]
             _unproduced_batches().where(JoinOutbox.source.in_(sorted(sources)))  # type: ignore[attr-defined]
             .order_by(JoinOutbox.source, JoinOutbox.seq)):
-        for f, reward in zip(decode(feedback), json.loads(rewards), strict=True):
-            found.append((source, seq, f, reward, joined_at))
-    sessions = stored_sessions(conn, {f.generation_id for _, _, f, _, _ in found})
+        events, values = decode(feedback), json.loads(rewards)
+        for f, reward, turn in zip(events, values, decode_turns(turns, len(events)), strict=True):
+            generation_id = f.key if turn is None else turn[0]
+            found.append((source, seq, f, reward, joined_at, generation_id, turn))
+    sessions = stored_sessions(conn, {generation_id for *_, generation_id, _ in found})
     out = []
-    for source, seq, f, reward, joined_at in found:
-        if f.generation_id not in sessions:  # expire() keeps these: a bug if it did not
-            raise RuntimeError(f"outbox batch {source}/{seq}: session {f.generation_id} "
+    for source, seq, f, reward, joined_at, generation_id, turn in found:
+        if generation_id not in sessions:  # expire() keeps these: a bug if it did not
+            raise RuntimeError(f"outbox batch {source}/{seq}: session {generation_id} "
                                "is gone")
-        out.append(Unproduced(source, seq, f, reward, sessions[f.generation_id][0], joined_at))
+        out.append(Unproduced(source, seq, f, reward, sessions[generation_id][0], joined_at,
+                              turn[1] if turn is not None else None))
     return out
 
 
 def awaited_sessions(conn: object) -> set[str]:
     """The generation ids whose sessions an unproduced outbox batch still needs."""
-    return {f["generation_id"] for _, _, feedback, _, _
-            in conn.execute(_unproduced_batches())  # type: ignore[attr-defined]
-            for f in json.loads(feedback)}
+    awaited: set[str] = set()
+    for _, _, feedback, _, _, turns in conn.execute(_unproduced_batches()):  # type: ignore[attr-defined]
+        events = json.loads(feedback)
+        for f, turn in zip(events, decode_turns(turns, len(events)), strict=True):
+            awaited.add(f["generation_id"] if turn is None else turn[0])
+    return awaited
 
 
 def produced_marks(conn: object, sources: Collection[int]) -> dict[int, int]:
@@ -482,4 +500,6 @@ def prune_outbox(conn: object, sources: Collection[int]) -> int:
     for source, seq in produced_marks(conn, sources).items():
         deleted += conn.execute(delete(JoinOutbox).where(  # type: ignore[attr-defined]
             JoinOutbox.seq <= seq, JoinOutbox.source == source)).rowcount  # type: ignore[operator,arg-type]
+        conn.execute(delete(JoinOutboxTurn).where(  # type: ignore[attr-defined]
+            JoinOutboxTurn.seq <= seq, JoinOutboxTurn.source == source))  # type: ignore[operator,arg-type]
     return deleted

@@ -12,7 +12,8 @@ final name, then replaces `LATEST` (write, fsync, rename, fsync the root). The r
 after it leaves the new one; nothing in between is ever read. Kafka offsets are committed only
 after `save` returns, and the checkpoint holds the offsets, so on restart the consumer seeks
 to them and the ledger (every experience and feedback event id trained, by step) skips any
-record that was trained already.
+experience that was trained already (by experience id: a session verdict's experiences share
+its feedback event id, one per turn).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,21 +48,26 @@ class LedgerEntry:
 
 @dataclass
 class Ledger:
-    """Every experience trained so far, by step; answers "was this trained already?"."""
+    """Every experience trained so far, by step; answers "was this trained already?".
+
+    Dedupes by experience id alone: the join keys every experience it makes by a stable id
+    (`ingest.events.experience_id_for`), so a re-produced copy carries the same one, while a
+    session verdict's experiences (one per turn) share their feedback event id. The event ids
+    stay recorded per step, for provenance."""
 
     entries: list[LedgerEntry] = field(default_factory=list)
     _seen: set[str] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         for entry in self.entries:
-            self._seen.update(entry.experience_ids, entry.feedback_event_ids)
+            self._seen.update(entry.experience_ids)
 
-    def contains(self, experience_id: str, feedback_event_ids: Iterable[str] = ()) -> bool:
-        return experience_id in self._seen or any(e in self._seen for e in feedback_event_ids)
+    def contains(self, experience_id: str) -> bool:
+        return experience_id in self._seen
 
     def record(self, entry: LedgerEntry) -> None:
         self.entries.append(entry)
-        self._seen.update(entry.experience_ids, entry.feedback_event_ids)
+        self._seen.update(entry.experience_ids)
 
     def between(self, first_step: int, last_step: int) -> list[LedgerEntry]:
         return [e for e in self.entries if first_step <= e.step <= last_step]

@@ -2,7 +2,9 @@
 
 The raw body (a FeedbackRequest, or {"events": [...]} for the batch) is checked against
 `Flywheel-Signature` (ingest/signing.py) before it is parsed: missing, unmatched or stale
-signatures are 401; an unreadable body is 422 naming the field; more bytes than
+signatures are 401; an unreadable body is 422 naming the field (an event judges one
+generation or one whole session: one with both `generation_id` and `session_id`, or neither,
+is 422 saying so); the event is produced keyed by whichever it names; more bytes than
 `max_body_bytes` or more events than `feedback_batch_max` is 413. Replies 202 once the broker
 has acknowledged every new event; a repeated `event_id` is accepted (`duplicate: true`) and
 not produced again (the receipt ledger lives in SQL, recent ids in memory).

@@ -1,8 +1,9 @@
 """Feedback webhooks over HTTP on the real broker, the real SQL ledger and the real app.
 
-Signed events reach `feedback` exactly once whatever the duplicates; unsigned, forged or stale
-requests are 401, malformed ones 422 naming the field, oversized ones 413, and none of those
-reach Kafka.
+Signed events reach `feedback` exactly once whatever the duplicates, keyed and partitioned by
+the generation they judge or, for a session verdict, by the session; unsigned, forged or stale
+requests are 401, malformed ones 422 naming the field (an event naming both a generation and a
+session, or neither, too), oversized ones 413, and none of those reach Kafka.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from app.settings import Settings
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
 from ingest.events import FeedbackReceived
-from ingest.log import ensure_topics, read_all
+from ingest.log import EventProducer, ensure_topics, partition_for, read_all
 from ingest.signing import SIGNATURE_HEADER, sign
 
 SECRETS = ["new-secret", "old-secret"]
@@ -67,6 +68,30 @@ def produced_ids(stack: RunningStack, ids: set[str]) -> list[str]:
     return [f.event_id for f in produced(stack) if f.event_id in ids]
 
 
+def placed(stack: RunningStack, event_ids: set[str]) -> dict[str, tuple[bytes | None, int]]:
+    """Where the webhook put `event_ids` on `feedback`: (key, partition) by event id."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    topic = stack.kafka.topics.feedback
+    consumer = KafkaConsumer(bootstrap_servers=stack.kafka.bootstrap, group_id=None,
+                             enable_auto_commit=False, auto_offset_reset="earliest")
+    try:
+        consumer.topics()
+        consumer.assign([TopicPartition(topic, p)
+                         for p in sorted(consumer.partitions_for_topic(topic) or ())])
+        found: dict[str, tuple[bytes | None, int]] = {}
+        deadline = time.monotonic() + 30
+        while set(found) < event_ids and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                for r in records:
+                    event_id = FeedbackReceived.model_validate_json(r.value).event_id
+                    if event_id in event_ids:
+                        found[event_id] = (r.key, r.partition)
+        return found
+    finally:
+        consumer.close()
+
+
 def test_signed_event_is_produced_once(stack: RunningStack, http: httpx.Client) -> None:
     e = event("edit_kept", value=0.25, source="editor")
     first = post(http, "/v1/feedback", e)
@@ -90,6 +115,50 @@ def test_batch_flags_duplicates_within_and_across_requests(stack: RunningStack,
     assert [x["duplicate"] for x in r.json()["results"]] == [True, False, False, True]
     ids = {e["event_id"] for e in [seen, *fresh]}
     assert sorted(produced_ids(stack, ids)) == sorted(ids)  # type: ignore[type-var]
+
+
+def test_a_session_verdict_is_keyed_and_partitioned_by_its_session(
+        stack: RunningStack, http: httpx.Client) -> None:
+    session = f"agent-session-{uuid.uuid4().hex}"
+    single = {"event_id": f"v-{uuid.uuid4().hex}", "session_id": session, "kind": "reject"}
+    batched = [{"event_id": f"v-{uuid.uuid4().hex}", "session_id": f"s-{i}-{session}",
+                "kind": "thumbs_up"} for i in range(3)]
+    per_generation = event("accept")
+    r = post(http, "/v1/feedback", single)
+    assert r.status_code == 202 and r.json() == {"event_id": single["event_id"],
+                                                 "duplicate": False}, r.text
+    r = post(http, "/v1/feedback/batch", {"events": [*batched, per_generation, single]})
+    assert r.status_code == 202, r.text
+    assert [x["duplicate"] for x in r.json()["results"]] == [False] * 4 + [True]
+    sent = [single, *batched, per_generation]
+    where = placed(stack, {str(e["event_id"]) for e in sent})
+    producer = EventProducer(stack.kafka)
+    try:
+        partitions = producer.partitions(stack.kafka.topics.feedback)
+    finally:
+        producer.close()
+    for e in sent:
+        key = str(e.get("session_id") or e["generation_id"]).encode()
+        assert where[str(e["event_id"])] == (key, partition_for(key, partitions))
+    [logged] = [f for f in produced(stack) if f.event_id == single["event_id"]]
+    assert (logged.session_id, logged.generation_id, logged.kind, logged.schema_version) == (
+        session, None, "reject", 2)
+
+
+@pytest.mark.parametrize("subject, word", [
+    ({"generation_id": "g", "session_id": "s"}, "both"), ({}, "neither")])
+def test_a_generation_or_a_session_not_both_nor_neither(
+        stack: RunningStack, http: httpx.Client, subject: dict[str, str], word: str) -> None:
+    e = {"event_id": f"e-{uuid.uuid4().hex}", "kind": "accept", **subject}
+    for path, payload, loc in (("/v1/feedback", e, ["body"]),
+                               ("/v1/feedback/batch", {"events": [event(), e]},
+                                ["body", "events", 1])):
+        r = post(http, path, payload)
+        assert r.status_code == 422, r.text
+        [detail] = r.json()["detail"]
+        assert detail["loc"] == loc, r.text
+        assert "exactly one of generation_id" in detail["msg"] and f"not {word}" in detail["msg"]
+    assert produced_ids(stack, {str(e["event_id"])}) == []
 
 
 def bad_header(case: str, body: bytes) -> dict[str, str]:

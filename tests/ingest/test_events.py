@@ -11,12 +11,14 @@ import pytest
 from ingest.events import (
     DeadLetter,
     EventDecodeError,
+    ExperienceReady,
     FeedbackReceived,
     GenerationLogged,
     PackedArray,
     SamplingParams,
     decode,
     encode,
+    experience_id_for,
 )
 
 SNAPSHOT = Path(__file__).parents[1] / "snapshots" / "event_schemas.json"
@@ -77,6 +79,70 @@ def test_feedback_edit_kept_needs_fraction() -> None:
         FeedbackReceived(event_id="e", generation_id="g", kind="edit_kept")
     ok = FeedbackReceived(event_id="e", generation_id="g", kind="edit_kept", value=0.4)
     assert decode(FeedbackReceived, encode(ok)) == ok
+
+
+def test_feedback_judges_one_generation_or_one_session() -> None:
+    verdict = FeedbackReceived(event_id="e", session_id="s", kind="reject")
+    assert (verdict.key, verdict.generation_id, verdict.schema_version) == ("s", None, 2)
+    assert decode(FeedbackReceived, encode(verdict)) == verdict
+    assert FeedbackReceived(event_id="e", generation_id="g", kind="accept").key == "g"
+    for subject, word in (({"generation_id": "g", "session_id": "s"}, "both"), ({}, "neither")):
+        with pytest.raises(ValueError, match=f"exactly one of generation_id .* not {word}"):
+            FeedbackReceived(event_id="e", kind="accept", **subject)  # type: ignore[arg-type]
+
+
+# records as version 1 wrote them, before session verdicts: they still decode
+V1_FEEDBACK = (b'{"event":"FeedbackReceived","schema_version":1,"event_id":"evt-1",'
+               b'"generation_id":"gen-1","kind":"edit_kept","value":0.5,'
+               b'"occurred_at":"2026-01-02T03:04:05Z","received_at":"2026-01-02T03:04:06Z",'
+               b'"source":"api"}')
+
+
+def v1_experience() -> bytes:
+    g = generation()
+    return json.dumps({
+        "event": "ExperienceReady", "schema_version": 1,
+        "experience_id": experience_id_for("evt-1"), "generation_id": "gen-1",
+        "feedback_event_ids": ["evt-1"], "feedback_kind": "accept", "feedback_value": None,
+        "reward": 1.0, "model_version": 3, "model_sha256": "ab" * 32,
+        "prompt_token_ids": g.prompt_token_ids.model_dump(),
+        "completion_token_ids": g.completion_token_ids.model_dump(),
+        "logprobs": g.logprobs.model_dump(), "routed_experts": None,
+        "sampling": g.sampling.model_dump(), "finish_reason": "length",
+        "generated_at": "2026-01-02T03:04:05Z", "joined_at": "2026-01-02T03:04:07Z"}).encode()
+
+
+def test_version_1_records_still_decode() -> None:
+    feedback = decode(FeedbackReceived, V1_FEEDBACK)
+    assert (feedback.schema_version, feedback.generation_id, feedback.session_id,
+            feedback.key, feedback.value) == (1, "gen-1", None, "gen-1", 0.5)
+    experience = decode(ExperienceReady, v1_experience())
+    assert experience.schema_version == 1 and experience.generation_id == "gen-1"
+    assert (experience.session_id, experience.turn, experience.turns) == (None, None, None)
+    assert experience.logprobs.tolist() == [-0.25, -1.5]
+    # version 1 had no session verdicts: a record that claims one is refused
+    with pytest.raises(EventDecodeError, match="schema_version 1 has no session_id"):
+        decode(FeedbackReceived, V1_FEEDBACK.replace(b'"generation_id":"gen-1"',
+                                                     b'"session_id":"s-1"'))
+
+
+def test_experience_turns_go_together() -> None:
+    raw = json.loads(v1_experience())
+    raw["schema_version"] = 2
+    ok = decode(ExperienceReady, json.dumps({**raw, "session_id": "s", "turn": 2,
+                                             "turns": 3}).encode())
+    assert (ok.session_id, ok.turn, ok.turns) == ("s", 2, 3)
+    with pytest.raises(EventDecodeError, match="go together"):
+        decode(ExperienceReady, json.dumps({**raw, "session_id": "s"}).encode())
+    with pytest.raises(EventDecodeError, match="turn 3 is not one of the session's 3"):
+        decode(ExperienceReady, json.dumps({**raw, "session_id": "s", "turn": 3,
+                                            "turns": 3}).encode())
+
+
+def test_a_verdict_has_one_experience_id_per_generation() -> None:
+    assert experience_id_for("e") != experience_id_for("e", "g1") != experience_id_for("e", "g2")
+    assert experience_id_for("e", "g1") == experience_id_for("e", "g1")  # stable
+    assert experience_id_for("a", "bc") != experience_id_for("ab", "c")  # no ambiguous join
 
 
 def test_decode_error_names_the_field() -> None:

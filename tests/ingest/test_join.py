@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import get_args
 
 import numpy as np
 import pytest
 
-from ingest.config import JoinSettings, KafkaConfig, RewardMap
+from ingest.config import KafkaConfig, RewardMap
 from ingest.events import (
     DeadLetter,
     ExperienceReady,
@@ -35,6 +34,7 @@ from ingest.experience_json import (
 from ingest.join import Join
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
+from tests.ingest.conftest import Clock
 
 
 def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
@@ -49,52 +49,6 @@ def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: i
         routed_experts=PackedArray.pack(rng.integers(0, 8, (p + t - 1, layers, top_k)), "int16"),
         sampling=SamplingParams(temperature=0.8, max_tokens=t), finish_reason="length",
         latency_ms=3.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The join's SQL state: SQLite by default; `postgres` (indirect parameter) gives a fresh
-    schema on the local PostgreSQL, dropped afterwards."""
-    if getattr(request, "param", "sqlite") == "sqlite":
-        return f"sqlite:///{tmp_path / 'join.db'}"
-    return str(request.getfixturevalue("postgres_schema"))
-
-
-@pytest.fixture
-def make_join(kafka: KafkaConfig, database_url: str, clock: Clock
-              ) -> Iterator[Callable[..., Join]]:
-    joins: list[Join] = []
-    group = f"join-{uuid.uuid4().hex[:8]}"
-
-    def make(**overrides: object) -> Join:
-        settings = JoinSettings(group_id=group, poll_timeout_ms=100, **overrides)
-        join = Join(kafka, settings, database_url=database_url, clock=clock)
-        joins.append(join)
-        return join
-
-    yield make
-    for join in joins:
-        join.close()
-
-
-@pytest.fixture
-def producer(kafka: KafkaConfig) -> Iterator[EventProducer]:
-    p = EventProducer(kafka)
-    yield p
-    p.close()
 
 
 def run_until(join: Join, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -176,7 +130,7 @@ def test_unmatched_entries_expire_to_the_dlq(kafka: KafkaConfig, producer: Event
 def test_undecodable_records_go_to_the_dlq_and_the_join_goes_on(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join]) -> None:
     bad = [b"not json", b'{"event": "FeedbackReceived", "schema_version": 1}',
-           b'{"event": "FeedbackReceived", "schema_version": 2, "event_id": "e",'
+           b'{"event": "FeedbackReceived", "schema_version": 3, "event_id": "e",'
            b' "generation_id": "g", "kind": "accept"}']
     for raw in bad:
         producer.send_raw(kafka.topics.feedback, "g", raw)

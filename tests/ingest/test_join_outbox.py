@@ -4,11 +4,9 @@ for what the broker acked, oldest round first."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import numpy as np
-import pytest
 
 from ingest.config import KafkaConfig
 from ingest.events import FeedbackReceived, experience_id_for
@@ -16,13 +14,6 @@ from ingest.experience_json import joined_at_member, session_members
 from ingest.join_outbox import Match, Outbox, Outgoing
 from ingest.log import EventProducer, partition_for, read_raw
 from tests.ingest.test_join import synthetic_session
-
-
-@pytest.fixture
-def producer(kafka: KafkaConfig) -> Iterator[EventProducer]:
-    p = EventProducer(kafka)
-    yield p
-    p.close()
 
 
 def outgoing(source: int, seq: int, count: int) -> list[Outgoing]:

@@ -55,13 +55,15 @@ def experience_count(kafka: KafkaConfig) -> int:
 class JoinProcess:
     """`python -m app.cli join` as a subprocess, stopped by the PID it holds."""
 
-    def __init__(self, settings: Settings, data_dir: Path, group: str, database: Path) -> None:
+    def __init__(self, settings: Settings, data_dir: Path, group: str, database: Path, *,
+                 env: dict[str, str] | None = None) -> None:
         topics = settings.topics
         self.env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
                     "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_JOIN__GROUP_ID": group,
                     "FLYWHEEL_JOIN__DATABASE_URL": f"sqlite:///{database}",
                     **{f"FLYWHEEL_TOPICS__{name.upper()}": getattr(topics, name)
-                       for name in ("sessions", "feedback", "experiences", "dlq")}}
+                       for name in ("sessions", "feedback", "experiences", "dlq")},
+                    **(env or {})}
         self.log = data_dir / "join.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen[bytes] | None = None

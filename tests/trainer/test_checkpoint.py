@@ -43,8 +43,9 @@ def test_round_trip_is_bitwise(tmp_path: Path) -> None:
     assert torch.equal(restored.state_dict()["state"][0]["exp_avg"],
                        opt.state_dict()["state"][0]["exp_avg"])
     assert ckpt.state["offsets"] == {"experiences:0": 2}
-    assert ckpt.ledger.contains("exp-a") and ckpt.ledger.contains("x", ["evt-b"])
-    assert not ckpt.ledger.contains("exp-c", ["evt-c"])
+    assert ckpt.ledger.contains("exp-a") and ckpt.ledger.contains("exp-b")
+    assert not ckpt.ledger.contains("exp-c")
+    assert ckpt.ledger.entries[0].feedback_event_ids == ["evt-a", "evt-b"]
 
 
 def test_only_the_pointer_commits(tmp_path: Path) -> None:
@@ -103,3 +104,16 @@ def test_ledger_between_and_counts() -> None:
     assert [e.step for e in ledger.between(1, 2)] == [1, 2]
     assert ledger.trained == 4
     assert Ledger.loads(ledger.dumps()).entries == ledger.entries
+
+
+def test_ledger_dedupes_by_experience_id_only() -> None:
+    """A session verdict yields one experience per turn, all with its one feedback event id:
+    training the first turns must not make the ledger skip the others."""
+    ledger = Ledger()
+    ledger.record(LedgerEntry(step=0, experience_ids=["exp-turn0", "exp-turn1"],
+                              generation_ids=["gen-0", "gen-1"],
+                              feedback_event_ids=["evt-verdict", "evt-verdict"]))
+    for restored in (ledger, Ledger.loads(ledger.dumps())):
+        assert restored.contains("exp-turn0") and restored.contains("exp-turn1")
+        assert not restored.contains("exp-turn2")  # the same verdict's last turn, untrained
+        assert restored.entries[0].feedback_event_ids == ["evt-verdict", "evt-verdict"]
