@@ -1,7 +1,11 @@
 """The multi-turn agent loop: the model calls tools, tools answer, until it finishes.
 
-A conversation is ChatML built token by token (never re-tokenized), so the ids the trainer
-sees are exactly the ids the engine saw and sampled:
+The loop is one piece of code for every way of reaching a model, through `ModelTurns`: open a
+context window, add a turn that is not the model's, sample the model's turn. Two backends:
+
+- `EngineTurns` (this module): token ids on an `Engine` in this process, what the bootstrap's
+  rollouts train on. A conversation is ChatML built token by token (never re-tokenized), so
+  the ids the trainer sees are exactly the ids the engine saw and sampled:
 
     <|im_start|>system\n{tool instructions}<|im_end|>\n
     <|im_start|>user\n{task prompt}<|im_end|>\n
@@ -9,21 +13,26 @@ sees are exactly the ids the engine saw and sampled:
     <|im_start|>tool\n{observation}<|im_end|>\n          <- environment: loss mask 0
     <|im_start|>assistant\n ...                          up to `max_turns` model turns
 
+- `simulate.developers.ChatTurns`: chat messages to an OpenAI-compatible endpoint, one chat
+  completion per model turn, as an editor's agent calls Flywheel's API (the server logs the
+  tokens it served).
+
 Self-summarization: when the context passes `context_budget` tokens, the harness asks the
 model to summarize its progress; the summary is sampled (and trained) like any model turn, then
 a fresh context starts from the system prompt, the task and that summary. Each context window
-is one `Segment`; a trajectory is the list of its segments, all sharing the episode's reward.
+is one segment; a trajectory is the list of its segments, all sharing the episode's reward.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from serving.engine import Engine, GenerationRequest, GenerationResult
+from simulate.rewards import Reward
 
 SUMMARIZE_PROMPT = "Context is full. Summarize your progress so far in a few lines."
 SUMMARY_PREFIX = "Summary of your earlier progress:\n"
@@ -40,7 +49,9 @@ class ToolEnvironment(Protocol):
         """Run the tool call in `text`; return (observation, episode done)."""
         ...
 
-    def reward(self) -> float: ...
+    def reward(self) -> Reward:
+        """The final state's reward, with the anti-cheat flags that zeroed it if any."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -53,11 +64,51 @@ class HarnessConfig:
     max_summaries: int = 2
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one model turn is sampled."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+W = TypeVar("W")
+
+
+class ModelTurns(Protocol[W]):
+    """How the harness reaches a model; `W` is the backend's context window."""
+
+    @property
+    def version(self) -> int:
+        """The model version the next turn is expected from (the newest seen, for a remote
+        backend)."""
+        ...
+
+    def open(self, system: str, user: str, *extra_user: str) -> W:
+        """A fresh window: the system prompt, the user turns, the assistant's header."""
+        ...
+
+    def add(self, window: W, role: str, content: str) -> None:
+        """Append a whole turn that is not the model's, then the assistant's header."""
+        ...
+
+    def length(self, window: W) -> int:
+        """Tokens in `window` as far as the backend knows."""
+        ...
+
+    async def reply(self, window: W, sampling: Sampling) -> str:
+        """Sample the model's turn into `window`; returns its text."""
+        ...
+
+
 @dataclass
 class Segment:
-    """One context window. All lists have the length of `token_ids`; logprobs are 0 where the
-    mask is 0. `routes` (rows, layers, k): the experts of the window's first `rows` positions
-    as the engine routed them in its last call (later untrained tokens have none)."""
+    """One context window of `EngineTurns`. All lists have the length of `token_ids`;
+    logprobs are 0 where the mask is 0. `routes` (rows, layers, k): the experts of the
+    window's first `rows` positions as the engine routed them in its last call (later untrained
+    tokens have none)."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -75,19 +126,21 @@ class Segment:
 
 
 @dataclass
-class Trajectory:
+class Trajectory(Generic[W]):
     task_id: str
-    segments: list[Segment]
+    segments: list[W]
     policy_version: int
     reward: float = 0.0
     turns: int = 0
     summaries: int = 0
     finished: bool = False
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded
+    flags: list[str] = field(default_factory=list)  # anti-cheat: why the reward is 0
 
-    @property
-    def model_tokens(self) -> int:
-        return sum(sum(s.loss_mask) for s in self.segments)
+
+def model_tokens(trajectory: Trajectory[Segment]) -> int:
+    """Tokens the model sampled in an `EngineTurns` trajectory."""
+    return sum(sum(s.loss_mask) for s in trajectory.segments)
 
 
 class ChatTokens:
@@ -118,46 +171,37 @@ class ChatTokens:
         return ids + self.open("assistant")
 
 
-class Harness:
-    """Runs episodes of one `Engine` against `ToolEnvironment`s."""
+class EngineTurns:
+    """`ModelTurns` on an in-process `Engine`: ChatML token ids, the sampled tokens'
+    logprobs and routes kept for training (`Segment`)."""
 
-    def __init__(self, engine: Engine, chat: ChatTokens, config: HarnessConfig) -> None:
+    def __init__(self, engine: Engine, chat: ChatTokens) -> None:
         self.engine = engine
         self.chat = chat
-        self.config = config
 
-    async def run(self, env: ToolEnvironment, *, task_id: str, seed: int | None = None,
-                  policy_version: int | None = None) -> Trajectory:
-        version = policy_version if policy_version is not None else self.engine.version.number
+    @property
+    def version(self) -> int:
+        return self.engine.version.number
+
+    def open(self, system: str, user: str, *extra_user: str) -> Segment:
         segment = Segment()
-        segment.extend(self.chat.prompt(env.system_prompt(), env.task_prompt()))
-        traj = Trajectory(task_id=task_id, segments=[segment], policy_version=version)
-        for turn in range(self.config.max_turns):
-            if len(segment) > self.config.context_budget \
-                    and traj.summaries < self.config.max_summaries:
-                segment = await self._summarize(env, traj, seed=_turn_seed(seed, turn, 1))
-            text = await self._model_turn(segment, seed=_turn_seed(seed, turn, 0))
-            traj.texts.append(text)
-            traj.turns += 1
-            # tools may run the sandbox (a child process): off the loop, so that the other
-            # episodes of the batch keep decoding meanwhile
-            observation, done = await asyncio.to_thread(env.step, text)
-            if done:
-                traj.finished = True
-                break
-            segment.extend(self.chat.turn("tool", observation) + self.chat.open("assistant"))
-        traj.reward = await asyncio.to_thread(env.reward)
-        return traj
+        segment.extend(self.chat.prompt(system, user, *extra_user))
+        return segment
 
-    async def _model_turn(self, segment: Segment, *, seed: int | None) -> str:
-        """Sample one assistant turn into `segment` (which ends with the assistant header)."""
-        budget = self.engine.max_context - len(segment)
+    def add(self, window: Segment, role: str, content: str) -> None:
+        window.extend(self.chat.turn(role, content) + self.chat.open("assistant"))
+
+    def length(self, window: Segment) -> int:
+        return len(window)
+
+    async def reply(self, window: Segment, sampling: Sampling) -> str:
+        budget = self.engine.max_context - len(window)
         result = await self.engine.generate(GenerationRequest(
-            prompt_token_ids=list(segment.token_ids), max_tokens=min(self.config.max_tokens,
-                                                                     max(1, budget)),
-            temperature=self.config.temperature, top_p=self.config.top_p, seed=seed,
+            prompt_token_ids=list(window.token_ids),
+            max_tokens=min(sampling.max_tokens, max(1, budget)),
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
             stop_token_ids=(self.chat.im_end,)))
-        self._append_model(segment, result)
+        self._append_model(window, result)
         return self.chat.decode([t for t in result.token_ids if t != self.chat.im_end])
 
     def _append_model(self, segment: Segment, result: GenerationResult) -> None:
@@ -168,16 +212,54 @@ class Harness:
             segment.extend([self.chat.im_end])  # cut at max_tokens: close the turn, untrained
         segment.extend(self.chat.newline)
 
-    async def _summarize(self, env: ToolEnvironment, traj: Trajectory, *,
-                         seed: int | None) -> Segment:
+
+class Harness(Generic[W]):
+    """Runs episodes of one model (through its `ModelTurns`) against `ToolEnvironment`s."""
+
+    def __init__(self, model: ModelTurns[W], config: HarnessConfig) -> None:
+        self.model = model
+        self.config = config
+
+    @classmethod
+    def on_engine(cls, engine: Engine, config: HarnessConfig) -> Harness[Segment]:
+        """The bootstrap's harness: token ids on `engine`."""
+        return Harness(EngineTurns(engine, ChatTokens(engine.tokenizer)), config)
+
+    async def run(self, env: ToolEnvironment, *, task_id: str, seed: int | None = None,
+                  policy_version: int | None = None) -> Trajectory[W]:
+        version = policy_version if policy_version is not None else self.model.version
+        window = self.model.open(env.system_prompt(), env.task_prompt())
+        traj = Trajectory(task_id=task_id, segments=[window], policy_version=version)
+        for turn in range(self.config.max_turns):
+            if self.model.length(window) > self.config.context_budget \
+                    and traj.summaries < self.config.max_summaries:
+                window = await self._summarize(env, traj, seed=_turn_seed(seed, turn, 1))
+            text = await self.model.reply(window, self._sampling(_turn_seed(seed, turn, 0)))
+            traj.texts.append(text)
+            traj.turns += 1
+            # tools may run the sandbox (a child process): off the loop, so that the other
+            # episodes of the batch keep decoding meanwhile
+            observation, done = await asyncio.to_thread(env.step, text)
+            if done:
+                traj.finished = True
+                break
+            self.model.add(window, "tool", observation)
+        reward = await asyncio.to_thread(env.reward)
+        traj.reward, traj.flags = reward.value, reward.flags
+        return traj
+
+    def _sampling(self, seed: int | None) -> Sampling:
+        return Sampling(max_tokens=self.config.max_tokens, temperature=self.config.temperature,
+                        top_p=self.config.top_p, seed=seed)
+
+    async def _summarize(self, env: ToolEnvironment, traj: Trajectory[W], *,
+                         seed: int | None) -> W:
         """Ask for a summary in the full context, then restart the context from it."""
-        segment = traj.segments[-1]
-        segment.extend(self.chat.turn("user", SUMMARIZE_PROMPT) + self.chat.open("assistant"))
-        summary = await self._model_turn(segment, seed=seed)
+        window = traj.segments[-1]
+        self.model.add(window, "user", SUMMARIZE_PROMPT)
+        summary = await self.model.reply(window, self._sampling(seed))
         traj.summaries += 1
-        fresh = Segment()
-        fresh.extend(self.chat.prompt(env.system_prompt(), env.task_prompt(),
-                                      SUMMARY_PREFIX + summary))
+        fresh = self.model.open(env.system_prompt(), env.task_prompt(), SUMMARY_PREFIX + summary)
         traj.segments.append(fresh)
         return fresh
 

@@ -44,8 +44,15 @@ class JudgeConfig(BaseModel):
     timeout_s: float = Field(default=30.0, gt=0)
 
 
+RewardMode = Literal["partial", "fraction", "all"]
+
+
 class RewardConfig(BaseModel):
-    mode: Literal["fraction", "all"] = "fraction"  # share of tests passed, or all-or-nothing
+    # "partial": 1 when every test passes, else `partial_credit` x the share passed (a
+    # solved task stands clear of any partial one); "fraction": the share of tests passed;
+    # "all": all-or-nothing
+    mode: RewardMode = "partial"
+    partial_credit: float = Field(default=0.5, ge=0.0, le=1.0)
     verifiable_weight: float = Field(default=1.0, ge=0)
     judge_weight: float = Field(default=0.0, ge=0)
     judge: JudgeConfig | None = None
@@ -62,11 +69,22 @@ class JudgeError(RuntimeError):
     """The judge endpoint failed or its reply held no score."""
 
 
-def verifiable_reward(result: SandboxResult, mode: Literal["fraction", "all"]) -> float:
+def verifiable_reward(result: SandboxResult, mode: RewardMode, *,
+                      partial_credit: float = 0.5) -> float:
     if not result.tests_total or result.status in ("timed_out", "resource_limit", "error"):
         return 0.0
     passed = (result.tests_passed or 0) / result.tests_total
-    return passed if mode == "fraction" else float(passed == 1.0)
+    if mode == "fraction":
+        return passed
+    if mode == "partial" and passed < 1.0:
+        return partial_credit * passed
+    return float(passed == 1.0)
+
+
+def test_files(files: dict[str, str]) -> dict[str, str]:
+    """The files of a workspace that hold tests (`test_*.py`, `*_test.py`, under `tests/`)."""
+    return {path: text for path, text in files.items()
+            if re.search(r"(^|/)(test_[^/]*|[^/]*_test\.py|tests?/.*)$", path)}
 
 
 def file_hashes(files: dict[str, str]) -> dict[str, str]:
@@ -210,7 +228,7 @@ def compute_reward(*, prompt: str, code: str, tests: str, result: SandboxResult,
     flags += [f"sandbox: {v}" for v in dict.fromkeys(result.violations)]  # once each
     if test_files_before is not None:
         flags += edited_tests(test_files_before, test_files_after or {})
-    verifiable = verifiable_reward(result, config.mode)
+    verifiable = verifiable_reward(result, config.mode, partial_credit=config.partial_credit)
     if flags:
         return Reward(value=0.0, verifiable=verifiable, flags=flags)
     judge = None

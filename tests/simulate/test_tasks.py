@@ -69,23 +69,45 @@ def test_practice_tasks_share_templates_but_no_task_or_value(builtin: list[Task]
     assert len(practice) >= 500
     assert not {t.task_id for t in practice} & {t.task_id for t in builtin}
     names = {t.entry_point for t in practice}
-    # above the range, three digits ending in its values; upper case and digits; indices
-    assert {"add_31", "add_112", "count_char_A", "count_char_7", "item_3"} <= names
+    # above the range, three digits ending in its values; lower-case pairs; indices; and
+    # lower-case letters copied in templates that are no task's
+    assert {"add_31", "add_112", "count_char_ab", "append_char_ah", "item_3",
+            "prepend_char_e", "remove_char_q", "starts_with_char_z"} <= names
     assert "add_30" not in names and "count_char_a" not in names
+    assert all(t.family is not None for t in practice)
     assert all(passes_in_process(t, t.canonical_solution or "") for t in practice[::7])
     assert JsonlTaskSource(0.2, path=Path("unused.jsonl")).practice_tasks() == []
 
 
-def test_split_is_a_pure_function_of_the_task_id(builtin: list[Task]) -> None:
-    source = build_task_source(BuiltinTasksConfig(held_out_fraction=0.2))
-    train, held_out = source.split("train"), source.split("held_out")
-    assert {t.task_id for t in train} | {t.task_id for t in held_out} == {
-        t.task_id for t in builtin}
-    assert not {t.task_id for t in train} & {t.task_id for t in held_out}
-    assert 0.1 < len(held_out) / len(builtin) < 0.3
-    assert all(split_of(t.task_id, 0.2) == "held_out" for t in held_out)
+def test_splits_are_disjoint_and_a_pure_function_of_the_task_id(builtin: list[Task]) -> None:
+    source = build_task_source(BuiltinTasksConfig(held_out_fraction=0.2, product_fraction=0.2))
+    splits = {name: {t.task_id for t in source.split(name)}
+              for name in ("train", "product", "held_out")}
+    assert set.union(*splits.values()) == {t.task_id for t in builtin}
+    assert sum(len(ids) for ids in splits.values()) == len(builtin)  # disjoint
+    for name in ("product", "held_out"):
+        assert 0.1 < len(splits[name]) / len(builtin) < 0.3
+        assert all(split_of(t, 0.2, 0.2) == name for t in splits[name])
     assert {split_of(t.task_id, 0.0) for t in builtin} == {"train"}
     assert {split_of(t.task_id, 1.0) for t in builtin} == {"held_out"}
+    # growing the product split takes tasks from train only, never from held-out
+    assert {t.task_id for t in source.split("held_out")} == {
+        t.task_id for t in build_task_source(BuiltinTasksConfig(
+            held_out_fraction=0.2, product_fraction=0.0)).split("held_out")}
+
+
+def test_one_off_tasks_stay_in_train_and_the_others_have_a_family(builtin: list[Task]) -> None:
+    """A one-off task (`negate`) held out could only be written by a model that saw it."""
+    source = build_task_source(BuiltinTasksConfig(held_out_fraction=1.0, product_fraction=0.0))
+    one_offs = {t.task_id for t in builtin if t.family is None}
+    assert "builtin/negate" in one_offs and len(one_offs) == 16
+    assert {t.task_id for t in source.split("train")} == one_offs
+    assert {t.family for t in builtin if t.task_id == "builtin/add_17"} == {"add_{p}"}
+
+
+def test_fractions_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(ValueError, match="held_out_fraction \\+ product_fraction"):
+        BuiltinTasksConfig(held_out_fraction=0.7, product_fraction=0.4)
 
 
 def test_jsonl_tasks_load_with_default_ids(tmp_path: Path) -> None:

@@ -1,0 +1,260 @@
+"""Simulated developers: an editor's coding agent on Flywheel's public API, and its verdicts.
+
+Each developer takes a task of the product split (`simulate.tasks`), runs the same multi-turn
+harness the bootstrap trains (`simulate.harness`) against the OpenAI-compatible endpoint
+(`ChatTurns`: one chat completion per model turn, all turns of a session under one
+`session_id`), and executes the tool calls in a sandboxed workspace on its own side, as an
+editor does. At the end it runs the task's hidden tests and judges the whole session: `accept`
+when they all pass, `edit_kept` with the share that passes when some do, `reject` otherwise
+(and when the anti-cheat checks of `simulate.rewards` flag the session). The verdict is flipped
+with probability `noise` (people misjudge), sent after a random delay (people react late), and
+signed (`ingest.signing`) to `POST /v1/feedback`, keyed by the session.
+
+The live acceptance rate the demo plots is the share of sessions whose tests all pass, before
+noise, per served model version (a session counts for a version when every turn of it was
+served by that version).
+
+    population = DeveloperPopulation(base_url, tasks, secret=secret)
+    await population.run(until=lambda: done.is_set())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ingest.signing import SIGNATURE_HEADER, sign
+from simulate.harness import Harness, HarnessConfig, Sampling, Trajectory
+from simulate.rollouts import SandboxCache, TaskEnvironment
+from simulate.tasks import Task
+
+
+def version_of(fingerprint: str) -> int:
+    """The version number in a `system_fingerprint` ("fw-v3-<sha12>" -> 3)."""
+    return int(fingerprint.split("-")[1].lstrip("v"))
+
+
+@dataclass
+class ChatWindow:
+    """One context window as chat messages, with what the server said about each turn."""
+
+    messages: list[dict[str, str]]
+    tokens: int = 0  # prompt + completion tokens of the last reply
+    generation_ids: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class ChatTurns:
+    """`ModelTurns` over `POST /v1/chat/completions`: the session's turns share `session_id`,
+    so the server logs them as one session and feedback can name the whole of it."""
+
+    def __init__(self, http: httpx.AsyncClient, *, session_id: str, user: str) -> None:
+        self.http = http
+        self.session_id = session_id
+        self.user = user
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def open(self, system: str, user: str, *extra_user: str) -> ChatWindow:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        messages += [{"role": "user", "content": text} for text in extra_user]
+        return ChatWindow(messages)
+
+    def add(self, window: ChatWindow, role: str, content: str) -> None:
+        window.messages.append({"role": role, "content": content})
+
+    def length(self, window: ChatWindow) -> int:
+        return window.tokens
+
+    async def reply(self, window: ChatWindow, sampling: Sampling) -> str:
+        reply = await self.http.post("/v1/chat/completions", json={
+            "messages": window.messages, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "seed": sampling.seed, "session_id": self.session_id, "user": self.user})
+        reply.raise_for_status()
+        body = reply.json()
+        text = str(body["choices"][0]["message"]["content"])
+        window.messages.append({"role": "assistant", "content": text})
+        window.tokens = int(body["usage"]["total_tokens"])
+        window.generation_ids.append(str(body["id"]))
+        self._version = version_of(str(body["system_fingerprint"]))
+        window.versions.append(self._version)
+        return text
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    """One developer session: what happened and what was reported."""
+
+    task_id: str
+    session_id: str
+    versions: tuple[int, ...]  # per model turn
+    passed: bool  # every hidden test passes and nothing was flagged: the true verdict
+    tests_fraction: float
+    flags: tuple[str, ...]
+    kind: str  # the feedback sent (after noise)
+    value: float | None
+    finished_at: float
+
+    @property
+    def version(self) -> int | None:
+        """The version that served the whole session; None when a release swapped mid-way."""
+        return self.versions[0] if len(set(self.versions)) == 1 else None
+
+
+def verdict(passed_fraction: float, flags: Sequence[str]) -> tuple[str, float | None]:
+    """(feedback kind, value) of a developer who ran the hidden tests."""
+    if flags or passed_fraction <= 0.0:
+        return "reject", None
+    if passed_fraction >= 1.0:
+        return "accept", None
+    return "edit_kept", round(passed_fraction, 4)
+
+
+def with_noise(kind: str, value: float | None, flip: bool) -> tuple[str, float | None]:
+    """A misjudgment: accept <-> reject, a partial edit kept whole or thrown away."""
+    if not flip:
+        return kind, value
+    if kind == "edit_kept":
+        return ("accept" if (value or 0.0) < 0.5 else "reject"), None
+    return ("reject" if kind == "accept" else "accept"), None
+
+
+@dataclass
+class VersionStats:
+    sessions: int = 0
+    passed: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.passed / self.sessions if self.sessions else 0.0
+
+
+@dataclass
+class PopulationStats:
+    by_version: dict[int, VersionStats] = field(
+        default_factory=lambda: defaultdict(VersionStats))
+    sessions: int = 0
+    spanning_swap: int = 0  # sessions served by two versions: counted for neither
+    turns: int = 0
+    cheating_flagged: int = 0
+    failed_requests: int = 0
+    feedback_sent: int = 0
+    feedback_failed: int = 0
+
+    def record(self, outcome: SessionOutcome) -> None:
+        self.sessions += 1
+        self.turns += len(outcome.versions)
+        self.cheating_flagged += bool(outcome.flags)
+        if outcome.version is None:
+            self.spanning_swap += 1
+            return
+        stats = self.by_version[outcome.version]
+        stats.sessions += 1
+        stats.passed += outcome.passed
+
+
+@dataclass(frozen=True)
+class DeveloperSettings:
+    """How the simulated developers behave (the harness is the bootstrap's)."""
+
+    concurrency: int = 8
+    noise: float = 0.05  # probability of a misjudged verdict
+    max_delay_s: float = 1.0  # feedback comes 0..max_delay_s after the session ends
+    harness: HarnessConfig = HarnessConfig(max_turns=3, max_tokens=64)
+    seed: int = 0
+
+
+class DeveloperPopulation:
+    """`concurrency` developers at a time on the product tasks, over one HTTP client pool."""
+
+    def __init__(self, base_url: str, tasks: Sequence[Task], *, secret: str | None,
+                 settings: DeveloperSettings | None = None,
+                 workdir: Path | None = None) -> None:
+        if not tasks:
+            raise ValueError("simulated developers need at least one task")
+        self.base_url, self.tasks, self.secret = base_url, list(tasks), secret
+        self.settings = settings or DeveloperSettings()
+        self.workdir = workdir
+        self.rng = random.Random(self.settings.seed)
+        self.stats = PopulationStats()
+        self.outcomes: list[SessionOutcome] = []
+        self.cache = SandboxCache()
+
+    async def run(self, *, until: Callable[[], bool],
+                  on_session: Callable[[SessionOutcome], None] | None = None) -> PopulationStats:
+        """Keep `concurrency` sessions going until `until()` holds; every started session
+        finishes and sends its feedback before this returns."""
+        limits = httpx.Limits(max_connections=2 * self.settings.concurrency)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=300,
+                                     limits=limits) as http:
+            with tempfile.TemporaryDirectory(dir=self.workdir, prefix="developers-") as tmp:
+                async def developer(index: int) -> None:
+                    number = index
+                    while not until():
+                        outcome = await self.session(http, Path(tmp) / f"{number}", number)
+                        number += self.settings.concurrency
+                        if outcome is not None and on_session is not None:
+                            on_session(outcome)
+
+                await asyncio.gather(*(developer(i) for i in range(self.settings.concurrency)))
+        return self.stats
+
+    async def session(self, http: httpx.AsyncClient, root: Path,
+                      number: int) -> SessionOutcome | None:
+        """One task, start to verdict; None when a request failed (nothing is reported)."""
+        task = self.rng.choice(self.tasks)
+        flip = self.rng.random() < self.settings.noise
+        delay = self.rng.uniform(0.0, self.settings.max_delay_s)
+        session_id = f"dev-{uuid.uuid4().hex}"
+        turns = ChatTurns(http, session_id=session_id, user=f"developer-{number % 64}")
+        env = TaskEnvironment(task, root, self.cache)
+        try:
+            trajectory: Trajectory[Any] = await Harness(turns, self.settings.harness).run(
+                env, task_id=task.task_id, seed=self.settings.seed * 100_003 + number)
+        except httpx.HTTPError:
+            self.stats.failed_requests += 1
+            return None
+        result = await asyncio.to_thread(env.test_result)
+        fraction = (result.tests_passed or 0) / max(1, result.tests_total or 0)
+        passed = result.status == "passed" and not trajectory.flags
+        kind, value = with_noise(*verdict(fraction, trajectory.flags), flip)
+        versions = tuple(v for window in trajectory.segments for v in window.versions)
+        outcome = SessionOutcome(task.task_id, session_id, versions, passed, fraction,
+                                 tuple(trajectory.flags), kind, value, time.time())
+        self.stats.record(outcome)
+        self.outcomes.append(outcome)
+        await asyncio.sleep(delay)
+        await self.send_feedback(http, outcome)
+        return outcome
+
+    async def send_feedback(self, http: httpx.AsyncClient, outcome: SessionOutcome) -> None:
+        event: dict[str, Any] = {"event_id": f"verdict-{outcome.session_id}",
+                                 "session_id": outcome.session_id, "kind": outcome.kind,
+                                 "source": "simulated-developer"}
+        if outcome.value is not None:
+            event["value"] = outcome.value
+        body = json.dumps(event).encode()
+        headers = {"content-type": "application/json"}
+        if self.secret is not None:
+            headers[SIGNATURE_HEADER] = sign(self.secret, None, body)
+        try:
+            (await http.post("/v1/feedback", content=body, headers=headers)).raise_for_status()
+        except httpx.HTTPError:
+            self.stats.feedback_failed += 1
+            return
+        self.stats.feedback_sent += 1
