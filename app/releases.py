@@ -52,7 +52,9 @@ class ReleaseConflictError(ReleaseError):
 def release_config(settings: Settings) -> ReleaseConfig:
     return ReleaseConfig(release=settings.release, model_dir=settings.resolved_model_dir,
                          cache_dir=settings.data_dir / "releases",
-                         store_url=settings.resolved_artifact_store_url)
+                         store_url=settings.resolved_artifact_store_url,
+                         tasks=settings.bootstrap.tasks,
+                         harness=settings.bootstrap.harness(temperature=0.0))
 
 
 @dataclass

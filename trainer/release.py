@@ -12,7 +12,9 @@ app/releases.py and app/tasks.py, which call these functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,9 @@ from kernels.delta.chain import apply_chain, plan_chain
 from kernels.delta.manifest import VersionRef
 from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
-from trainer.eval_gate import GateDecision, build_eval_suite, gate
+from simulate.harness import HarnessConfig
+from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
+from trainer.eval_gate import EvalSuite, GateDecision, build_eval_suite, gate
 from trainer.release_config import ReleaseSettings
 
 Weights = dict[str, torch.Tensor]
@@ -39,8 +43,11 @@ class ReleaseConfig:
 
     release: ReleaseSettings
     model_dir: Path  # the base model (architecture, tokenizer, version 0)
-    cache_dir: Path  # the served head's weights are cached here
+    cache_dir: Path  # the served head's weights (and its eval figures) are cached here
     store_url: str  # artifact store: a directory or any fsspec URL
+    # the held-out tasks gate: the bootstrap's task source and harness
+    tasks: TaskSourceConfig = field(default_factory=BuiltinTasksConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     @property
     def store(self) -> ArtifactStore:
@@ -122,18 +129,31 @@ def head_weights(config: ReleaseConfig, version: int, sha256: str) -> Weights:
 
 
 def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights) -> GateDecision:
-    """Score both with the configured suite on the base model architecture."""
+    """Score both with the configured suite on the base model architecture (the served
+    version's figures are cached by its sha256: one served version meets many candidates)."""
     from transformers import AutoTokenizer
 
     model = load_model(config.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-    suite = build_eval_suite(config.release.eval)
-    model.load_state_dict(served)
-    served_metrics = suite.evaluate(model, tokenizer)
+    suite = build_eval_suite(config.release.eval, tasks=config.tasks, harness=config.harness)
+    served_metrics = _served_metrics(config, suite, model, tokenizer, served)
     model.load_state_dict(candidate)
-    candidate_metrics = suite.evaluate(model, tokenizer)
-    return gate(candidate_metrics, served_metrics,
-                max_regression=config.release.eval.max_regression)
+    return gate(suite, suite.evaluate(model, tokenizer), served_metrics)
+
+
+def _served_metrics(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
+                    served: Weights) -> dict[str, float]:
+    key = hashlib.sha256(json.dumps([
+        config.release.eval.model_dump(mode="json"), config.tasks.model_dump(mode="json"),
+        repr(config.harness), state_dict_sha256(served)]).encode()).hexdigest()
+    path = config.cache_dir / "eval" / f"{key}.json"
+    if path.exists():
+        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
+    model.load_state_dict(served)
+    metrics = suite.evaluate(model, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics))
+    return metrics
 
 
 def write(config: ReleaseConfig, encoded: EncodedRelease) -> str:

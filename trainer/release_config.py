@@ -12,6 +12,19 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 
+class HeldOutTasksEval(BaseModel):
+    """Greedy pass@1 of the multi-turn tool agent (the bootstrap's harness) on the held-out
+    split of the bootstrap's task source: tasks never served to the product and never trained
+    on, checked by their tests in the sandbox. Higher is better. The default: it guards the
+    ability the product uses."""
+
+    kind: Literal["held_out_tasks"] = "held_out_tasks"
+    max_tasks: int = Field(default=64, ge=1, description="the first N held-out tasks")
+    max_drop_points: float = Field(
+        default=5.0, ge=0.0, le=100.0,
+        description="refuse a candidate whose pass@1 is more points below the served one's")
+
+
 class HeldOutLossEval(BaseModel):
     """Mean next-token loss on a fixed held-out token set (stdlib source the tokenizer and
     the default model never saw). Lower is better."""
@@ -24,15 +37,19 @@ class HeldOutLossEval(BaseModel):
 
 
 class CallableEval(BaseModel):
-    """`module:function(model, tokenizer) -> dict[str, float]` with a `loss` (lower is better);
-    the slot where the held-out simulate tasks of #6 plug in."""
+    """`module:function(model, tokenizer) -> dict[str, float]` holding `metric`; the gate
+    refuses a candidate whose metric is worse than the served one's by more than
+    `max_regression` (lower is better unless `higher_is_better`)."""
 
     kind: Literal["callable"] = "callable"
     path: str = Field(pattern=r"^[\w.]+:\w+$")
+    metric: str = "loss"
+    higher_is_better: bool = False
     max_regression: float = Field(default=0.05, ge=0.0)
 
 
-EvalSettings = Annotated[HeldOutLossEval | CallableEval, Field(discriminator="kind")]
+EvalSettings = Annotated[HeldOutTasksEval | HeldOutLossEval | CallableEval,
+                         Field(discriminator="kind")]
 
 
 class ReleaseSettings(BaseModel):
@@ -44,6 +61,6 @@ class ReleaseSettings(BaseModel):
     candidate_path: Path | None = Field(
         default=None, description="trainer checkpoint (HF dir or .safetensors); None: "
                                   "<data_dir>/checkpoints/latest")
-    eval: EvalSettings = HeldOutLossEval()
+    eval: EvalSettings = HeldOutTasksEval()
     poll_timeout_ms: int = Field(default=200, ge=10, description="replica subscriber poll")
     follow: bool = Field(default=True, description="serving replicas hot-swap releases")

@@ -4,6 +4,9 @@ served weights from the artifact store."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from ingest.log import EventProducer, read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
 from trainer.release import head_weights, load_candidate, load_model, save_weights
+from trainer.release_config import HeldOutLossEval
 
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
@@ -32,16 +36,22 @@ def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
     return new
 
 
-@pytest.fixture
-def ctx(settings: Settings):
-    settings = settings.model_copy(update={"release": settings.release.model_copy(
-        update={"snapshot_every": 2})})
+@contextmanager
+def release_context(settings: Settings) -> Iterator[ReleaseContext]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = make_db_engine(settings.resolved_database_url)
     producer = EventProducer(settings.kafka_config(settings.kafka_bootstrap or ""))
     yield ReleaseContext(settings=settings, db=db, producer=producer)
     producer.close()
     db.dispose()
+
+
+@pytest.fixture
+def ctx(settings: Settings):
+    """The loss gate: the random tiny model solves no task, so pass@1 could not tell."""
+    release = settings.release.model_copy(update={"snapshot_every": 2, "eval": HeldOutLossEval()})
+    with release_context(settings.model_copy(update={"release": release})) as ctx:
+        yield ctx
 
 
 def test_candidate_round_trips_with_tied_weights(tmp_path: Path, model_dir: Path) -> None:
@@ -61,7 +71,7 @@ def test_publish_gate_snapshot_rollback(ctx: ReleaseContext, tmp_path: Path,
 
     make_checkpoint(model_dir, tmp_path / "bad.safetensors", scale=0.5, seed=9)
     bad = build_release(ctx, candidate=tmp_path / "bad.safetensors")
-    assert bad.status == "rejected" and "regressed" in bad.reason
+    assert bad.status == "rejected" and "loss 7.6" in bad.reason and "worse by" in bad.reason
 
     r2 = build_release(ctx, candidate=tmp_path / "c1.safetensors")
     assert (r2.version, r2.parent, r2.kind, r2.chain_length) == (3, 1, "snapshot", 0)
@@ -97,3 +107,58 @@ def test_delta_refuses_corruption_and_wrong_base(ctx: ReleaseContext, tmp_path: 
     shard.write_bytes(bytes(blob))
     with pytest.raises(DeltaVerificationError):
         prepare(base, manifest, reader)
+
+
+TASKS = [{"task_id": f"gate/{name}", "prompt": f'def {name}(x):\n    """Return x {op}."""\n',
+          "tests": f"def test_0():\n    assert {name}(4) == {result}\n", "entry_point": name,
+          "canonical_solution": f"    return {body}\n"}
+         for name, op, body, result in (("plus_one", "plus one", "x + 1", 5),
+                                        ("twice", "times two", "x * 2", 8))]
+
+
+@pytest.fixture(scope="module")
+def skilled_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model mid-trained on the two gate tasks' demonstrations until it solves them:
+    a served version with an ability to lose."""
+    from simulate.harness import ChatTokens
+    from simulate.tasks import JsonlTasksConfig, build_task_source
+    from trainer.midtrain import midtrain
+    from trainer.policy import Policy
+
+    path = tmp_path_factory.mktemp("gate") / "tasks.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    torch.manual_seed(0)
+    policy = Policy.load(model_dir, lr=3e-3)
+    tasks = build_task_source(JsonlTasksConfig(path=path, held_out_fraction=1.0)).tasks()
+    midtrain(policy, ChatTokens(policy.tokenizer), tasks, steps=120, batch_size=4, lr=3e-3)
+    out = policy.save(path.parent / "skilled")
+    (out / "tasks.jsonl").write_text(path.read_text())
+    return out
+
+
+def test_held_out_pass_at_1_gate_refuses_a_damaged_candidate(
+        settings: Settings, skilled_model_dir: Path, tmp_path: Path) -> None:
+    """The default gate: held-out pass@1 of the agent in the sandbox. The served version
+    solves both held-out tasks; a candidate with damaged weights solves none and is refused
+    and recorded; the same weights again pass."""
+    from simulate.tasks import JsonlTasksConfig
+
+    tasks = JsonlTasksConfig(path=skilled_model_dir / "tasks.jsonl", held_out_fraction=1.0)
+    settings = settings.model_copy(update={
+        "model_dir": skilled_model_dir,
+        "bootstrap": settings.bootstrap.model_copy(update={"tasks": tasks})})
+    assert settings.release.eval.kind == "held_out_tasks"
+    with release_context(settings) as ctx:
+        served = load_model(skilled_model_dir).state_dict()
+        make_checkpoint(skilled_model_dir, tmp_path / "damaged.safetensors", scale=0.3, seed=1,
+                        base=served)
+        damaged = build_release(ctx, candidate=tmp_path / "damaged.safetensors")
+        assert damaged.status == "rejected"
+        assert damaged.eval_summary["served_pass_at_1"] == 1.0
+        assert damaged.eval_summary["candidate_pass_at_1"] == 0.0
+        assert "pass_at_1 100.0% -> 0.0%: worse by 100.0%" in damaged.reason
+        save_weights(served, tmp_path / "same.safetensors")
+        same = build_release(ctx, candidate=tmp_path / "same.safetensors")
+        assert same.status == "published" and same.eval_summary["candidate_pass_at_1"] == 1.0
+        with Session(ctx.db) as session:
+            assert session.get(Release, damaged.version).status == "rejected"  # type: ignore[union-attr]
