@@ -2,13 +2,14 @@
 
 Each step takes a batch of `ExperienceReady` records (at least `online.min_batch`), recomputes
 the logprobs of the served tokens with the logged MoE routes replayed, and applies the online
-objective of `trainer/online_loss.py` (baseline advantage, truncated importance sampling
-against the behavior logprobs, k3 KL anchor to the served release), with gradient clipping.
+objective of `trainer/online_loss.py` (baseline advantage, PPO's clip anchored at the behavior
+logprobs, k3 KL anchor to the served release), with gradient clipping.
 
 Crash safety (trainer/checkpoint.py): the consumer is assigned all partitions by hand and seeks
 to the offsets stored in the latest checkpoint; a step's weights, optimizer, offsets and ledger
 are checkpointed together; Kafka offsets are committed only after that checkpoint is durable;
-records whose experience or feedback event ids are in the ledger are skipped. The loop around
+records whose experience ids are in the ledger are skipped (a session verdict yields
+several experiences under one feedback event id). The loop around
 the trainer (consumer, batching, control, releases) is trainer/online_loop.py.
 
     flywheel train-online --data-dir data
@@ -30,9 +31,11 @@ import torch
 from ingest.events import ExperienceReady
 from kernels.weights import state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
+from trainer.online_batch import Row, pack_rows
 from trainer.online_config import BaselineSettings, BatchMeanBaseline, OnlineTrainerSettings
 from trainer.online_loss import (
     advantages,
+    clipped_online_loss,
     leave_one_out_baseline,
     online_loss,
     running_mean_update,
@@ -98,8 +101,24 @@ def build_baseline(settings: BaselineSettings) -> Baseline:
     return BucketMean(settings.decay)
 
 
-def bucket_key(experience: ExperienceReady, buckets: int) -> str:
-    digest = hashlib.sha256(experience.prompt_token_ids.unpack().tobytes()).digest()
+def conversation_opening(prompt: Sequence[int], assistant_header: Sequence[int]) -> list[int]:
+    """The prompt up to its first assistant turn (the whole prompt if it has none): the system
+    and user messages a conversation opened with. Every turn of an agent's session on one
+    task shares it, so its bucket's running mean is that task's baseline."""
+    ids, header = list(prompt), list(assistant_header)
+    for start in range(len(ids) - len(header) + 1):
+        if ids[start:start + len(header)] == header:
+            return ids[:start]
+    return ids
+
+
+def bucket_key(experience: ExperienceReady, buckets: int,
+               assistant_header: Sequence[int] = ()) -> str:
+    """The context bucket of an experience: a hash of its conversation's opening."""
+    prompt = experience.prompt_token_ids.unpack()
+    opening = conversation_opening(prompt.tolist(), assistant_header) if assistant_header \
+        else prompt.tolist()
+    digest = hashlib.sha256(str(opening).encode()).digest()
     return str(int.from_bytes(digest[:8], "little") % buckets)
 
 
@@ -146,8 +165,9 @@ class OnlineTrainer:
     """One policy, its optimizer, the KL reference, the baseline, the ledger; named phases."""
 
     def __init__(self, cfg: OnlineTrainerSettings, model: Any, reference: Any, pad_id: int,
-                 store: CheckpointStore) -> None:
+                 store: CheckpointStore, *, assistant_header: Sequence[int] = ()) -> None:
         self.cfg = cfg
+        self.assistant_header = list(assistant_header)  # where a conversation's opening ends
         self.model = model.train()
         self.reference = reference.eval().requires_grad_(False)
         self.pad_id = pad_id
@@ -166,12 +186,15 @@ class OnlineTrainer:
         `batch_invariant`: the same kernels as a serving engine in that mode."""
         import copy
 
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
+
+        from simulate.harness import ChatTokens
 
         hf_logging.disable_progress_bar()
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        header = ChatTokens(AutoTokenizer.from_pretrained(model_dir)).open("assistant")
         if batch_invariant:
             from kernels.batch_invariant import enable_batch_invariant
 
@@ -179,7 +202,7 @@ class OnlineTrainer:
         reference = copy.deepcopy(model)
         pad_id = int(model.config.pad_token_id)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
-        trainer = cls(cfg, model, reference, pad_id, store)
+        trainer = cls(cfg, model, reference, pad_id, store, assistant_header=header)
         trainer.load_latest()
         return trainer
 
@@ -200,51 +223,54 @@ class OnlineTrainer:
         return True
 
     # -- phases ------------------------------------------------------------------------------
-    def logprobs(self, model: Any, batch: TokenBatch, experiences: Sequence[ExperienceReady]
-                 ) -> torch.Tensor:
+    def logprobs(self, model: Any, batch: TokenBatch, rows: Sequence[Row]) -> torch.Tensor:
         """(B, T) logprobs of every token, per-row temperature, logged routes replayed."""
-        temps = [e.sampling.temperature for e in experiences]
-        routes = self._routes(experiences, batch.tokens.shape[1])
+        temps = [r.temperature for r in rows]
+        routes = self._routes(rows, batch.tokens.shape[1])
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         for temp in sorted(set(temps)):
-            rows = [i for i, t in enumerate(temps) if t == temp]
-            sub = batch if len(rows) == len(temps) else TokenBatch(
-                batch.tokens[rows], batch.attention_mask[rows], batch.loss_mask[rows])
-            with _maybe_replay(model, None if routes is None else routes[rows]):
-                out[rows] = sequence_logprobs(model, sub, temperature=temp)
+            picked = [i for i, t in enumerate(temps) if t == temp]
+            sub = batch if len(picked) == len(temps) else TokenBatch(
+                batch.tokens[picked], batch.attention_mask[picked], batch.loss_mask[picked])
+            with _maybe_replay(model, None if routes is None else routes[picked]):
+                out[picked] = sequence_logprobs(model, sub, temperature=temp)
         return out
 
-    def _routes(self, experiences: Sequence[ExperienceReady], length: int
-                ) -> torch.Tensor | None:
-        if not self.cfg.router_replay or any(e.routed_experts is None for e in experiences):
+    def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
+        if not self.cfg.router_replay or any(r.routes is None for r in rows):
             return None
         from kernels.moe_replay import stack_routes
 
-        seqs = [torch.from_numpy(e.routed_experts.unpack().copy())  # type: ignore[union-attr]
-                for e in experiences]
+        seqs = [torch.from_numpy(r.routes.unpack().copy())  # type: ignore[union-attr]
+                for r in rows]
         return stack_routes(seqs, length)  # (B, T, L, K); last token and padding: NO_ROUTE
 
     def forward_backward(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
-        seqs = [e.prompt_token_ids.tolist() + e.completion_token_ids.tolist() for e in experiences]
-        masks = [[0.0] * len(e.prompt_token_ids) + [1.0] * len(e.completion_token_ids)
-                 for e in experiences]
-        batch = TokenBatch.from_sequences(seqs, masks, pad_id=self.pad_id)
-        behavior = batch.pad_like([[0.0] * len(e.prompt_token_ids) + e.logprobs.tolist()
-                                   for e in experiences])  # (B, T)
-        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)  # (B,)
-        keys = [bucket_key(e, getattr(self.cfg.baseline, "buckets", 1)) for e in experiences]
+        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)  # (N,)
+        buckets = getattr(self.cfg.baseline, "buckets", 1)
+        keys = [bucket_key(e, buckets, self.assistant_header) for e in experiences]
         adv = advantages(rewards, self.baseline.values(keys, rewards),
-                         normalize=self.cfg.normalize_advantages)  # (B,)
+                         normalize=self.cfg.normalize_advantages)  # (N,)
+        rows = pack_rows(experiences, adv.tolist())  # a session's turns share a row
+        batch = TokenBatch.from_sequences([r.tokens for r in rows], [r.mask for r in rows],
+                                          pad_id=self.pad_id)
+        behavior = batch.pad_like([r.behavior for r in rows])  # (B, T)
+        token_adv = batch.pad_like([r.advantage for r in rows])  # (B, T)
         with torch.no_grad():
-            ref = (self.logprobs(self.reference, batch, experiences) if self.cfg.kl_coef > 0
+            ref = (self.logprobs(self.reference, batch, rows) if self.cfg.kl_coef > 0
                    else torch.zeros(batch.tokens.shape))
-        logp = self.logprobs(self.model, batch, experiences)
-        out = online_loss(logp, behavior, ref, adv, batch.loss_mask.bool(),
-                          is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
+        logp = self.logprobs(self.model, batch, rows)
+        mask = batch.loss_mask.bool()
+        if self.cfg.objective == "clipped":
+            out = clipped_online_loss(logp, behavior, ref, token_adv, mask, clip=self.cfg.clip,
+                                      is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
+        else:
+            out = online_loss(logp, behavior, ref, token_adv, mask, is_cap=self.cfg.is_cap,
+                              kl_coef=self.cfg.kl_coef)
         out.loss.backward()
         self.baseline.update(keys, rewards)
         return {**out.metrics(), "reward": float(rewards.mean()),
-                "advantage_abs": float(adv.abs().mean())}
+                "advantage_abs": float(adv.abs().mean()), "rows": float(len(rows))}
 
     def step(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
         """One optimizer step on one batch; records the batch in the ledger."""

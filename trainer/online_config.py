@@ -22,8 +22,10 @@ class BatchMeanBaseline(BaseModel):
 class BucketMeanBaseline(BaseModel):
     """b_i = running mean reward of the context bucket of row i (before this batch).
 
-    The bucket is a hash of the prompt tokens modulo `buckets`; a bucket never seen yet uses
-    the running mean over all buckets. `decay` floors the step size of the running mean
+    The bucket is a hash of the conversation's opening (the prompt up to its first assistant
+    turn: the system and user messages, the task) modulo `buckets`, so every turn of an
+    agent's sessions on one task meets that task's mean; a bucket never seen yet uses the
+    running mean over all buckets. `decay` floors the step size of the running mean
     (exact mean for the first 1/decay rewards, then an exponential moving average).
     """
 
@@ -45,7 +47,13 @@ class OnlineTrainerSettings(BaseModel):
     lr: float = Field(default=3e-4, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     grad_clip: float = Field(default=1.0, gt=0.0)
-    is_cap: float = Field(default=2.0, ge=1.0, description="truncated importance weight cap")
+    # how the update corrects for the policy having moved since a generation was served
+    # (trainer/online_loss.py): "clipped", PPO's clip anchored at the behavior logprobs (the
+    # bootstrap's GRPO loss), or "truncated_is", importance weights capped at is_cap
+    objective: Literal["clipped", "truncated_is"] = "clipped"
+    clip: float = Field(default=0.2, gt=0.0, lt=1.0, description="PPO ratio clip (clipped)")
+    is_cap: float = Field(default=2.0, gt=1.0, description="the dual clip's c (clipped) or "
+                          "the importance weight cap (truncated_is)")
     kl_coef: float = Field(default=0.02, ge=0.0, description="KL anchor to the served release")
     normalize_advantages: bool = False
     router_replay: bool = True

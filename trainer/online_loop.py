@@ -93,8 +93,7 @@ def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
     cut = 0
     for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
         exp: ExperienceReady = record.event
-        if not (ledger.contains(exp.experience_id, exp.feedback_event_ids)
-                or exp.experience_id in fresh):
+        if not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
             fresh.add(exp.experience_id)
             taken.append(exp)
             if len(taken) == max_batch:

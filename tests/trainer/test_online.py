@@ -88,7 +88,7 @@ def test_step_updates_weights_and_ledger(model_dir: Path, tmp_path: Path,
     metrics = trainer.step(experiences[:4])
     assert np.isfinite(metrics["loss"]) and metrics["batch"] == 4
     # First step: the trainer is the served model, so the importance weights are ~1.
-    assert metrics["is_weight"] == pytest.approx(1.0, abs=0.05)
+    assert metrics["ratio"] == pytest.approx(1.0, abs=0.05)
     changed = [n for n, t in trainer.model.state_dict().items() if not torch.equal(t, before[n])]
     assert changed
     assert trainer.ledger.contains(experiences[0].experience_id)
@@ -143,3 +143,15 @@ def test_take_batch_skips_the_ledger_and_returns_prefix_offsets(
     rest = take_batch(pending, ledger, min_batch=1, max_batch=8)
     assert rest is not None and len(rest.experiences) == 2  # the duplicate is not retrained
     assert rest.offsets == {"experiences:1": 3, "experiences:2": 6}
+
+
+def test_every_turn_of_a_conversation_shares_its_opening_bucket() -> None:
+    """The baseline compares a turn with turns of conversations that opened alike (the task):
+    the prompt is cut at its first assistant header."""
+    from trainer.online import conversation_opening
+
+    header = [1, 9]  # <|im_start|> assistant
+    first = [1, 5, 6, 2, 1, 7, 8, 2, *header]  # system, user, assistant header
+    later = [*first, 30, 31, 2, 1, 4, 40, 2, *header]  # + the reply, a tool turn, a header
+    assert conversation_opening(first, header) == conversation_opening(later, header) == first[:8]
+    assert conversation_opening([3, 4], header) == [3, 4]  # no assistant turn: the whole prompt

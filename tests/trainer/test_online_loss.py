@@ -9,6 +9,7 @@ import torch
 
 from trainer.online_loss import (
     advantages,
+    clipped_online_loss,
     kl_k3,
     leave_one_out_baseline,
     masked_mean,
@@ -72,8 +73,8 @@ def test_online_loss_value_and_gradient_by_hand() -> None:
     # policy terms: -(1 * 2 * ln .5) = 2 ln 2 ; -(2 * -1 * ln .8) = 2 ln .8 ; kl = 0
     expected = (2 * LN(2) + 2 * LN(0.8)) / 2
     assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-6)
-    assert float(out.is_weight) == pytest.approx(1.5)
-    assert float(out.truncated) == pytest.approx(0.5)
+    assert float(out.ratio) == pytest.approx(1.5)
+    assert float(out.clipped) == pytest.approx(0.5)
     out.loss.backward()
     # d/dlogp: -w * A / n_tokens (+ kl_coef * (1 - exp(ref - logp)) / n = 0 at ref == logp)
     assert logp.grad.flatten().tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0])
@@ -88,3 +89,19 @@ def test_kl_anchor_pulls_towards_the_reference() -> None:
     out.loss.backward()
     # d kl / d logp = 1 - exp(ref - logp) = 1 - 0.5: descent lowers logp towards ref
     assert float(logp.grad) == pytest.approx(0.5)
+
+
+def test_clipped_objective_stops_tokens_the_policy_already_moved() -> None:
+    """Anchored at the behavior logprobs: a token whose ratio is past 1 + clip in its
+    advantage's direction gives no gradient; one inside the clip gives -r A / n."""
+    logp = torch.tensor([[LN(0.5)], [LN(0.8)], [LN(0.5)]], requires_grad=True)
+    behavior = torch.tensor([[LN(0.5)], [LN(0.4)], [LN(0.5)]])  # ratios 1, 2, 1
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    out = clipped_online_loss(logp, behavior, logp.detach(), torch.tensor([1.0, 1.0, -1.0]),
+                              mask, clip=0.2, is_cap=3.0, kl_coef=0.1)
+    # -(1 * 1) - (1.2 * 1) + (1 * 1), over 3 tokens; kl = 0
+    assert float(out.loss.detach()) == pytest.approx((-1.0 - 1.2 + 1.0) / 3, rel=1e-6)
+    assert float(out.clipped) == pytest.approx(1 / 3) and float(out.ratio) == pytest.approx(4 / 3)
+    out.loss.backward()
+    # d/dlogp of -r A = -r A (r = exp(logp - behavior)); the clipped token has none
+    assert logp.grad.flatten().tolist() == pytest.approx([-1 / 3, 0.0, 1 / 3])
