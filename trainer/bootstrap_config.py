@@ -6,34 +6,43 @@ imports no torch, so `flywheel --help` stays fast."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
+if TYPE_CHECKING:
+    from simulate.harness import HarnessConfig
+
 ClipAnchor = Literal["trainer", "behavior"]
 
 
 class BootstrapSettings(BaseModel):
-    """Defaults are tuned for the default tiny model on a 2-core CPU (about 10 minutes)."""
+    """Defaults are tuned for the default tiny model on a 2-core CPU (about 13 minutes)."""
 
     run_dir: Path | None = None  # default: <data_dir>/runs/bootstrap-<time>
     tasks: TaskSourceConfig = Field(default_factory=BuiltinTasksConfig)
     seed: int = 0
     # mid-training
-    # 350 steps: the copy-the-parameter circuit is forming (held-out greedy pass@1 28-51%
-    # depending on the CPU's kernels); GRPO finishes it. docs/bootstrap.md.
-    midtrain_steps: int = Field(default=350, ge=0)
+    # 900 steps: lower-case letters are the last values the tiny model learns to copy (from
+    # about 800 steps on); the number-copying circuit forms around 300-450 (docs/bootstrap.md)
+    midtrain_steps: int = Field(default=900, ge=0)
     midtrain_batch: int = Field(default=16, ge=1)
     midtrain_lr: float = Field(default=3e-3, gt=0)  # peak, after a 10-step warm-up
     midtrain_lr_floor: float = Field(default=1.0, gt=0, le=1)  # cosine end, x peak; 1: constant
     midtrain_practice: bool = True  # add the source's practice tasks to the corpus
     # GRPO
     mode: Literal["async", "sync"] = "async"
-    # GRPO samples practice tasks too, not only the train split. Off: on an AMD EPYC the
-    # same start (50.9%) ended at 60.4% with them and 71.7% without (docs/bootstrap.md)
-    grpo_practice: bool = False
+    # A share of the source's practice tasks is held back from mid-training for GRPO: values
+    # the model never saw, so only copying the parameter earns their reward (the train split,
+    # memorized by the end of mid-training, gives GRPO little signal). 0: GRPO on the train
+    # split only (docs/bootstrap.md)
+    grpo_practice_fraction: float = Field(default=0.25, ge=0.0, le=1.0)
+    # a task whose recent episodes all passed is drawn with this weight (1 when none did;
+    # trainer/task_sampler.py): groups that cannot teach anything cost as much as any. 1: all
+    # tasks alike
+    solved_task_weight: float = Field(default=0.1, gt=0.0, le=1.0)
     group_size: int = Field(default=8, ge=2, le=128)
     groups_per_step: int = Field(default=4, ge=1)
     max_staleness: int = Field(default=1, ge=0)
@@ -63,6 +72,8 @@ class BootstrapSettings(BaseModel):
     rollout_isolation: Literal["process", "thread"] = "process"
     groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
     torch_threads: int = Field(default=1, ge=1)
+    # mid-training runs alone (no rollouts yet): it may use every core. None: os.cpu_count()
+    midtrain_threads: int | None = Field(default=None, ge=1)
     # keys/values of recent sequences kept per engine (2 KB a token for the default model):
     # later turns and a group's G copies of a prompt prefill only new tokens. 0: off
     prefix_cache_tokens: int = Field(default=32768, ge=0)
@@ -73,6 +84,14 @@ class BootstrapSettings(BaseModel):
             raise ValueError(f"is_cap must be > 1 with clip_anchor 'behavior' (it bounds a "
                              f"negative-advantage token's loss at is_cap x |A|); got {self.is_cap}")
         return self
+
+    def harness(self, *, temperature: float) -> HarnessConfig:
+        """The multi-turn agent's shape, shared by rollouts, the eval gate and the simulated
+        developers: what the bootstrap trains is what they run."""
+        from simulate.harness import HarnessConfig
+
+        return HarnessConfig(max_turns=self.max_turns, max_tokens=self.max_tokens,
+                             temperature=temperature, context_budget=self.context_budget)
 
     @property
     def staleness(self) -> int:

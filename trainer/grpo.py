@@ -90,9 +90,9 @@ def grpo_loss(
     """The clipped surrogate, IS-corrected and KL-penalized; returns (scalar loss, metrics).
 
     logp, old_logp, loss_mask, behavior_logp, ref_logp: (B, T); advantages: (B,), one per
-    sequence, broadcast over its tokens.
+    sequence, broadcast over its tokens, or (B, T), one per token.
     """
-    adv = advantages.unsqueeze(1)  # (B, 1)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) | (B, T)
     ratio = torch.exp(logp - old_logp.detach())  # (B, T)
     clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)  # (B, T)
     unclipped, clipped = ratio * adv, clipped_ratio * adv  # (B, T)

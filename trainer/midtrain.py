@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
-from simulate.tasks import STUB_BODY, Task
+from simulate.tasks import STUB_BODY, Task, split_of
 from simulate.tools import SOLUTION_FILE, ToolWorkspace
 from trainer.policy import Policy
 
@@ -84,13 +84,17 @@ class MidTrainResult:
 
 
 def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int, batch_size: int,
-             lr: float, lr_floor: float = 0.1, seed: int = 0) -> MidTrainResult:
+             lr: float, lr_floor: float = 0.1, seed: int = 0,
+             progress: bool = False) -> MidTrainResult:
     """`steps` AdamW steps of masked next-token loss over shuffled demonstration transcripts;
     the rate warms up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0: constant)."""
+    from tqdm import tqdm
+
     corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
     rng = random.Random(seed)
     loss_value = float("nan")
-    for step in range(steps):
+    for step in tqdm(range(steps), desc="mid-training", disable=not progress,
+                     dynamic_ncols=True, mininterval=1.0):
         rows = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
         batch = policy.batch([r[0] for r in rows], [r[1] for r in rows])
         logp = policy.token_logprobs(batch)  # (B, T)
@@ -149,21 +153,41 @@ def bench_start(cfg: BootstrapSettings, model: TinyMoeSettings, model_dir: Path 
     return midtrained_start(cfg, model_dir, steps=steps)
 
 
+def held_back(task: Task, fraction: float) -> bool:
+    """Whether a practice task is kept out of mid-training for GRPO: a pure function of its id,
+    like the splits."""
+    return split_of(task.task_id + "#grpo", fraction) == "held_out"
+
+
 def corpus_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> list[Task]:
-    """The mid-training corpus: the train split, plus the source's practice tasks if asked."""
-    return train + (source.practice_tasks() if cfg.midtrain_practice else [])
+    """The mid-training corpus: the train split, plus the source's practice tasks if asked
+    (less those held back for GRPO)."""
+    practice = source.practice_tasks() if cfg.midtrain_practice else []
+    return train + [t for t in practice if not held_back(t, cfg.grpo_practice_fraction)]
 
 
 def rl_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> list[Task]:
-    """GRPO's task pool: the train split, plus the source's practice tasks if asked (values
-    the model has not memorized, so a reward needs the parameter copied from the docstring)."""
-    return train + (source.practice_tasks() if cfg.grpo_practice else [])
+    """GRPO's task pool: the train split, plus the practice tasks held back from mid-training
+    (values the model has not memorized, so a reward needs the parameter copied from the
+    docstring)."""
+    return train + [t for t in source.practice_tasks()
+                    if held_back(t, cfg.grpo_practice_fraction)]
 
 
 def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
-                steps: int | None = None) -> MidTrainResult:
-    """`midtrain` with the settings' batch, rate and schedule."""
-    return midtrain(policy, ChatTokens(policy.tokenizer), tasks,
-                    steps=cfg.midtrain_steps if steps is None else steps,
-                    batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
-                    lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed)
+                steps: int | None = None, progress: bool = False) -> MidTrainResult:
+    """`midtrain` with the settings' batch, rate, schedule and threads (`midtrain_threads`,
+    then back to the threads the caller had)."""
+    import os
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.midtrain_threads or os.cpu_count() or threads)
+    try:
+        return midtrain(policy, ChatTokens(policy.tokenizer), tasks,
+                        steps=cfg.midtrain_steps if steps is None else steps,
+                        batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
+                        lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed, progress=progress)
+    finally:
+        torch.set_num_threads(threads)

@@ -48,6 +48,7 @@ from trainer.rollout_workers import (
     load_weights,
     make_engine,
 )
+from trainer.task_sampler import TaskSampler
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,9 @@ class OfflineTrainer:
         all_rewards = torch.cat(rewards)
         metrics = {"reward": float(all_rewards.mean()),
                    "solved": sum(solved(t) for g in groups for t in g.trajectories)
-                   / len(all_rewards), "trained_sequences": float(len(sequences))}
+                   / len(all_rewards), "trained_sequences": float(len(sequences)),
+                   "cheating_flagged": float(sum(bool(t.flags) for g in groups
+                                                 for t in g.trajectories))}
         if not sequences:
             return metrics | {"loss": 0.0}
         batch = self.policy.batch(sequences, masks)
@@ -160,6 +163,7 @@ def append_metrics(path: Path, record: dict[str, Any]) -> None:
 class GrpoRun:
     steps: int = 0
     samples: int = 0
+    tokens: int = 0  # sampled by the policy in the trained episodes (every turn)
     wall_s: float = 0.0
     trainer_idle: float = 0.0
     rollout_idle: float = 0.0
@@ -176,6 +180,10 @@ class GrpoRun:
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(1e-9, self.wall_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(1e-9, self.wall_s)
 
     def final_reward(self, last: int = 5) -> float:
         rewards = [h["reward"] for h in self.history[-last:]]
@@ -194,8 +202,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         version=policy.version)
     store = WeightStore(policy.version, trainer.state_dict())
     workers = [RolloutWorker(build_rollouts(policy, cfg, seed=cfg.seed + i, cache=cache), gate,
-                             store, train, seed=cfg.seed + i,
-                             groups_in_flight=cfg.groups_in_flight)
+                             store, TaskSampler(train, floor=cfg.solved_task_weight),
+                             seed=cfg.seed + i, groups_in_flight=cfg.groups_in_flight)
                for i in range(cfg.rollout_workers)]
     threads = [threading.Thread(target=w.run, name=f"rollout-{i}", daemon=True)
                for i, w in enumerate(workers)]
@@ -204,7 +212,9 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
     gate.trainer_idle.started = gate.rollout_idle.started = start
     for t in threads:
         t.start()
-    bar = tqdm(total=cfg.max_steps, desc="grpo", disable=not progress, dynamic_ncols=True)
+    # the run ends at its time budget (or max_steps): the bar counts seconds
+    bar = tqdm(total=round(cfg.time_budget_s), desc="grpo", unit="s", disable=not progress,
+               dynamic_ncols=True, mininterval=1.0)
     try:
         for step in range(policy.version, policy.version + cfg.max_steps):
             if time.monotonic() - start > cfg.time_budget_s:
@@ -222,6 +232,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             gate.publish(policy.version)
             run.steps += 1
             run.samples += sum(len(g.trajectories) for g in groups)
+            run.tokens += sum(int(t.loss_mask.unpack().sum()) for g in groups
+                              for t in g.trajectories)
             record = {"step": run.steps, "wall_s": time.monotonic() - start, "lr": lr} | metrics
             if eval_engine is not None and run.steps % cfg.eval_every == 0:
                 load_weights(eval_engine, policy.version, store.latest()[1])
@@ -230,8 +242,9 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             run.history.append(record)
             if metrics_path is not None:
                 append_metrics(metrics_path, record)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", solved=f"{metrics['solved']:.2f}")
+            bar.update(min(bar.total, round(record["wall_s"])) - bar.n)
+            bar.set_postfix(step=run.steps, reward=f"{metrics['reward']:.2f}",
+                            solved=f"{metrics['solved']:.2f}", refresh=False)
     finally:
         run.wall_s = time.monotonic() - start
         run.trainer_idle = gate.trainer_idle.fraction()
@@ -305,7 +318,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         from kernels.batch_invariant import enable_batch_invariant
 
         enable_batch_invariant(policy.model)
-    mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train))
+    mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), progress=progress)
     cache = SandboxCache()
     eval_engine = make_engine(policy, cfg, seed=cfg.seed)
     try:
@@ -324,8 +337,9 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     policy.save(run_dir / "model")
     plot_run(run, before, run_dir / "reward.png")
     changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, run.last_eval)
+    flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
-               "wall_s": round(time.monotonic() - start, 1)}
+               "cheating_flagged": flagged, "wall_s": round(time.monotonic() - start, 1)}
     details = summary | {"midtrain_loss": mid.final_loss, "midtrain_and_eval_s": midtrain_s,
                          "samples": run.samples, "samples_per_s": run.samples_per_s,
                          "trainer_idle": run.trainer_idle, "rollout_idle": run.rollout_idle,

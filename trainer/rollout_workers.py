@@ -42,12 +42,13 @@ from kernels.batch_invariant import (
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
-from simulate.harness import ChatTokens, Harness, HarnessConfig
+from simulate.harness import Harness, Segment
 from simulate.rollouts import SandboxCache, rollout_group
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.pipeline import PipelineClosedError, StalenessGate
 from trainer.policy import Policy
+from trainer.task_sampler import TaskSampler
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,8 @@ class RolloutProcessError(RuntimeError):
 
 
 def build_harness(engine: TorchEngine, cfg: BootstrapSettings, *,
-                  temperature: float) -> Harness:
-    return Harness(engine, ChatTokens(engine.tokenizer), HarnessConfig(
-        max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, temperature=temperature,
-        context_budget=cfg.context_budget))
+                  temperature: float) -> Harness[Segment]:
+    return Harness.on_engine(engine, cfg.harness(temperature=temperature))
 
 
 def engine_for(model: Any, tokenizer: Any, cfg: BootstrapSettings, *, seed: int) -> TorchEngine:
@@ -246,7 +245,7 @@ class RolloutWorker:
     rollouts: Rollouts
     gate: StalenessGate[RolloutGroup]
     weights: WeightStore
-    tasks: list[Task]
+    tasks: TaskSampler
     seed: int = 0
     groups_in_flight: int = 1  # groups of one step made together: larger decode batches
     busy_s: float = 0.0
@@ -260,10 +259,11 @@ class RolloutWorker:
                 slots = self.gate.claim_batch(self.groups_in_flight)
                 self.gate.wait_for_weights(slots[-1].step)
                 version, state = self.weights.latest()
-                tasks = [order.choice(self.tasks) for _ in slots]
+                tasks = self.tasks.draw(order, len(slots))
                 start = time.monotonic()
                 groups = self.rollouts.make(version, state, tasks, [s.index for s in slots])
                 self.busy_s += time.monotonic() - start
+                self.tasks.observe(groups)
                 self.samples += sum(len(g.trajectories) for g in groups)
                 for slot, group in zip(slots, groups, strict=True):
                     self.gate.submit(slot, group, policy_version=group.policy_version)

@@ -20,7 +20,7 @@ def test_demonstrations_solve_their_tasks(tmp_path: Path) -> None:
         env = TaskEnvironment(task, tmp_path / str(i), cache)
         observation, done = env.step(demonstration_call(task))
         assert not done and not observation.startswith("error"), (task.task_id, observation)
-        assert env.reward() == 1.0, task.task_id
+        assert env.reward().value == 1.0, task.task_id
 
 
 def test_builtin_demonstration_edits_the_stub() -> None:
@@ -43,21 +43,23 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
     assert "applied 1 edit(s) to solution.py" in untrained and "passed: 4/4" in untrained
 
 
-def test_corpus_adds_practice_tasks_only_when_asked() -> None:
+def test_practice_tasks_split_between_mid_training_and_grpo() -> None:
     from simulate.tasks import BuiltinTasksConfig, build_task_source
     from trainer.bootstrap_config import BootstrapSettings
     from trainer.midtrain import corpus_tasks, rl_tasks
 
     source = build_task_source(BuiltinTasksConfig())
-    train = source.split("train")
-    held_out = {t.task_id for t in source.split("held_out")}
-    with_practice = corpus_tasks(BootstrapSettings(), source, train)
-    assert len(with_practice) == len(train) + len(source.practice_tasks())
-    assert not {t.task_id for t in with_practice} & held_out
+    train, practice = source.split("train"), source.practice_tasks()
+    held_out = {t.task_id for t in source.split("held_out") + source.split("product")}
+    cfg = BootstrapSettings(grpo_practice_fraction=0.25)
+    corpus, pool = corpus_tasks(cfg, source, train), rl_tasks(cfg, source, train)
+    reserved = {t.task_id for t in pool} - {t.task_id for t in train}
+    assert not reserved & {t.task_id for t in corpus}  # GRPO's practice is unseen
+    assert len(corpus) + len(pool) == 2 * len(train) + len(practice)
+    assert 0.15 < len(reserved) / len(practice) < 0.35
+    assert not ({t.task_id for t in corpus} | reserved) & held_out
+    assert rl_tasks(BootstrapSettings(grpo_practice_fraction=0.0), source, train) == train
     assert corpus_tasks(BootstrapSettings(midtrain_practice=False), source, train) == train
-    pool = rl_tasks(BootstrapSettings(grpo_practice=True), source, train)
-    assert len(pool) == len(with_practice) and not {t.task_id for t in pool} & held_out
-    assert rl_tasks(BootstrapSettings(), source, train) == train  # the default: train only
 
 
 def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:

@@ -25,7 +25,8 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
-    assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "steps", "wall_s"}
+    assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "steps", "cheating_flagged",
+                            "wall_s"}
     assert summary["steps"] == 2 and 0.0 <= summary["pass_at_1_after"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
