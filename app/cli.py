@@ -2,7 +2,7 @@
 
     flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY http://127.0.0.1:P
-    flywheel demo [--data-dir D]                start the stack, exercise it, print JSON
+    flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--data-dir D]        experiences -> policy updates -> releases
 
@@ -102,9 +102,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"port": 0})
     if args.smoke:
         return run_demo(settings, completions=args.completions)
-    from app.demo_loop import run_demo_loop
+    from app.demo_loop import DemoPlan, run_demo_loop
 
-    return run_demo_loop(settings, loop_s=args.loop_seconds, releases=args.releases)
+    plan = DemoPlan(**{k: v for k, v in (
+        ("releases", args.releases), ("max_loop_s", args.loop_seconds),
+        ("release_every_s", args.release_every), ("grpo_s", args.grpo_seconds),
+        ("midtrain_steps", args.midtrain_steps), ("min_sessions", args.min_sessions),
+        ("concurrency", args.developers)) if v is not None})
+    return run_demo_loop(settings, plan)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -133,6 +138,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from app.demo_loop import DemoPlan  # its defaults, in the help (no torch imported)
+
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,9 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completions", type=int, default=4, help="with --smoke")
     p.add_argument("--smoke", action="store_true",
                    help="only exercise the API and Kafka (no training loop)")
-    p.add_argument("--loop-seconds", type=float, default=360.0,
-                   help="budget of the full loop (users, join, trainer, releases)")
-    p.add_argument("--releases", type=int, default=4, help="releases to hot-swap in the loop")
+    plan = DemoPlan()
+    p.add_argument("--loop-seconds", type=float, help="most seconds of live traffic "
+                   f"(developers, join, trainer, releases; {plan.max_loop_s:.0f})")
+    p.add_argument("--releases", type=int,
+                   help=f"releases to hot-swap in the loop ({plan.releases})")
+    p.add_argument("--release-every", type=float,
+                   help=f"seconds between releases ({plan.release_every_s:.0f})")
+    p.add_argument("--grpo-seconds", type=float,
+                   help=f"the bootstrap's GRPO budget ({plan.grpo_s:.0f})")
+    p.add_argument("--midtrain-steps", type=int,
+                   help=f"the bootstrap's mid-training steps ({plan.midtrain_steps})")
+    p.add_argument("--min-sessions", type=int, help="sessions the newest release serves "
+                   f"before the demo ends ({plan.min_sessions})")
+    p.add_argument("--developers", type=int,
+                   help=f"simulated developers at once ({plan.concurrency})")
     p.add_argument("--port", type=int, help="API port (default: a free one)")
     p.set_defaults(func=cmd_demo)
     return parser

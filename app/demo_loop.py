@@ -1,159 +1,295 @@
-"""`flywheel demo --loop`: the whole flywheel on one machine, measured on live traffic.
+"""`flywheel demo`: the whole flywheel on one machine, on the real task, measured live.
 
-Starts the stack (broker, API with the torch engine and its release follower), the join
-(sessions x feedback -> experiences), the online trainer (with the release pipeline of
-trainer/release.py as its sink) and a simulated user population with a hidden taste
-(simulate/users.py). Every `release_interval` the trainer hands its weights to the pipeline;
-the replica hot-swaps each published release while users keep calling it. At the end: a table
-and a PNG plot of the users' acceptance rate per served version, and one JSON line
-{"acceptance_by_version": {...}, "acceptance_gain_points": ..., "releases": ...,
-"failed_requests": ...}.
-
-The model is the base model (`flywheel init-model`); bootstrap (#6) would start from its
-output instead (`FLYWHEEL_MODEL_DIR`).
+1. Build the base model (`flywheel init-model`) and bootstrap it: mid-training, then a short
+   GRPO run (trainer/offline.py). A bootstrapped model already under the data dir is reused
+   (the demo says so).
+2. Serve it as version 0: the stack (broker, API with the torch engine and its release
+   follower), the join (sessions x feedback -> experiences), the online trainer with the
+   release pipeline as its sink (eval gate: held-out pass@1).
+3. Simulated developers (simulate/developers.py) work on the product split of the tasks
+   through the public HTTP API, one chat completion per agent turn, and send a signed verdict
+   per session. The trainer learns from the joined verdicts and hands its weights to the
+   release pipeline every `release_every_s`; the replica hot-swaps each release while the
+   developers keep working.
+4. When `releases` releases are live and the newest one has served `min_sessions` sessions:
+   a table, a PNG (live acceptance per version, held-out pass@1 per release) and one JSON line
+   {"acceptance_by_version": {...}, "acceptance_gain_points": ..., "held_out_by_version":
+   {...}, "held_out_gain_points": ..., "releases": ..., "failed_requests": ...,
+   "cheating_flagged": ..., "wall_s": ...}.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import SecretStr
 
 from app.settings import Settings
 from app.stack import running_stack
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """The demo's budget on a 2-core machine (`flywheel demo --help` sets each)."""
+
+    # a short bootstrap: the model a product would first ship, with room to learn
+    midtrain_steps: int = 300
+    grpo_s: float = 60.0  # the bootstrap's GRPO budget
+    releases: int = 4
+    release_every_s: float = 150.0
+    min_sessions: int = 300  # served by the newest release before the demo ends
+    max_loop_s: float = 900.0  # the live loop stops here whatever it reached
+    concurrency: int = 16  # simulated developers at once
 
 
-def demo_settings(settings: Settings, *, loop_s: float, releases: int) -> Settings:
-    """The demo's knobs: a release every loop_s / (releases + 1), a fast-learning trainer."""
+def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
+    """The demo's knobs on top of `settings`: the trainer's cadence and batches, the engine's
+    prefix cache (an agent's next turn extends its conversation) and a signing secret."""
     online = settings.online.model_copy(update={
-        "min_batch": 16, "max_batch": 32, "lr": 1e-2, "kl_coef": 0.01, "threads": 1,
-        "release_interval_s": loop_s / (releases + 1), "checkpoint_every_steps": 4})
-    # The held-out gate guards a real model's language ability. The demo's base model has
-    # random weights (held-out loss ~ log vocab = 7.6 nats: no ability to guard), and learning
-    # the users' taste concentrates its mass, which raises that loss by 1-3 nats; so the demo
-    # gate only refuses a candidate whose held-out loss explodes.
-    gate = settings.release.eval.model_copy(update={"max_regression": 5.0})
-    release = settings.release.model_copy(update={"eval": gate})
-    engine = settings.engine.model_copy(update={"threads": 1})
-    update: dict[str, Any] = {"online": online, "release": release, "engine": engine}
+        "release_interval_s": plan.release_every_s, "threads": 1, "lr": 1e-4,
+        "min_batch": 32, "max_batch": 64, "checkpoint_every_steps": 10})
+    engine = settings.engine.model_copy(update={"threads": 1, "prefix_cache_tokens": 32768})
+    bootstrap = settings.bootstrap.model_copy(update={
+        "midtrain_steps": plan.midtrain_steps, "time_budget_s": plan.grpo_s})
+    update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}
     if not settings.feedback_secrets:
         update["feedback_secrets"] = [SecretStr(secrets.token_hex(16))]
     return settings.model_copy(update=update)
 
 
-def _version_number(fingerprint: str) -> int:
-    return int(fingerprint.split("-")[1].lstrip("v"))  # "fw-v3-<sha12>"
+def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]:
+    """The bootstrap's final model under the data dir, built unless it is there already;
+    returns it and the bootstrap's summary (None when reused)."""
+    from trainer.init_model import init_model
+    from trainer.offline import run_bootstrap
+
+    run_dir = settings.data_dir / "bootstrap"
+    model = run_dir / "model"
+    if (model / "config.json").exists():
+        print(f"reusing the bootstrapped model in {model} (delete it to bootstrap again)",
+              flush=True)
+        return model, None
+    base = init_model(settings.model, settings.resolved_model_dir)
+    print(f"bootstrap: {settings.bootstrap.midtrain_steps} mid-training steps, then GRPO for "
+          f"{settings.bootstrap.time_budget_s:.0f} s", flush=True)
+    summary = run_bootstrap(settings.bootstrap, base, run_dir,
+                            batch_invariant=settings.batch_invariant)
+    print(f"bootstrap: held-out pass@1 {summary['pass_at_1_before']:.1%} after mid-training, "
+          f"{summary['pass_at_1_after']:.1%} after GRPO", flush=True)
+    return model, summary
 
 
-def run_demo_loop(settings: Settings, *, loop_s: float = 360.0, releases: int = 4,
-                  concurrency: int = 6, min_per_version: int = 200) -> int:
+class DeveloperThread:
+    """The simulated developers on their own event loop, until `stop` is set."""
+
+    def __init__(self, settings: Settings, base_url: str, plan: DemoPlan) -> None:
+        from simulate.developers import DeveloperPopulation, DeveloperSettings
+        from simulate.tasks import build_task_source
+
+        tasks = build_task_source(settings.bootstrap.tasks).split("product")
+        self.population = DeveloperPopulation(
+            base_url, tasks, secret=settings.feedback_secrets[0].get_secret_value(),
+            settings=DeveloperSettings(concurrency=plan.concurrency,
+                                       harness=settings.bootstrap.harness(temperature=1.0)),
+            workdir=settings.data_dir)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="developers", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.population.run(until=self.stop.is_set))
+        except BaseException as exc:  # reported by the demo, which then stops
+            self.error = exc
+
+    def __enter__(self) -> DeveloperThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=300)
+
+
+def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
     from app.releases import PipelineReleaseSink
     from ingest.join import run_join
-    from simulate.users import UserPopulation, aligned_prefix_preference
-    from trainer.init_model import init_model
     from trainer.online import run_online
     from trainer.online_control import SqlTrainerControl, open_control_db
 
-    settings = demo_settings(settings, loop_s=loop_s, releases=releases)
-    if settings.model_dir is None:
-        init_model(settings.model, settings.resolved_model_dir)
-    preference = aligned_prefix_preference(settings.resolved_model_dir)
+    started = time.monotonic()
+    plan = plan or DemoPlan()
+    settings = demo_settings(settings, plan)
+    model_dir, _ = bootstrapped_model(settings)
+    settings = settings.model_copy(update={"model_dir": model_dir})
     with running_stack(settings) as stack:
         s = stack.settings
         stop = threading.Event()
-        reports: dict[str, Any] = {}
-        join = threading.Thread(target=lambda: reports.update(join=run_join(
-            stack.kafka, s.join, database_url=s.resolved_join_database_url, stop=stop)),
-            name="join", daemon=True)
+        join = threading.Thread(target=run_join, name="join", daemon=True, kwargs={
+            "kafka": stack.kafka, "settings": s.join,
+            "database_url": s.resolved_join_database_url, "stop": stop})
         control = SqlTrainerControl(open_control_db(s.resolved_database_url))
-        trainer = threading.Thread(target=lambda: reports.update(trainer=run_online(
-            s, release_sink=PipelineReleaseSink(s), control=control, stop=stop)),
-            name="trainer", daemon=True)
+        trainer = threading.Thread(target=run_online, name="trainer", daemon=True, args=(s,),
+                                   kwargs={"release_sink": PipelineReleaseSink(s),
+                                           "control": control, "stop": stop})
         join.start()
         trainer.start()
-        users = UserPopulation(stack.base_url, preference=preference,
-                               secret=s.feedback_secrets[0].get_secret_value())
-        started = time.monotonic()
-        print(f"demo loop: stack at {stack.base_url}, {len(preference.prefixes)} hidden "
-              f"preferred prefixes, a release every {s.online.release_interval_s:.0f}s",
-              flush=True)
+        print(f"live: {stack.base_url} serves v0; {plan.concurrency} simulated developers on "
+              f"the product tasks; a release every {plan.release_every_s:.0f} s", flush=True)
+        watch = LiveView(stack.base_url, s.admin_token.get_secret_value(), plan)
         try:
-            while time.monotonic() - started < loop_s:
-                users.run(requests=concurrency * 4, concurrency=concurrency)
-                by = users.stats.by_version
-                newest = max(by, key=_version_number) if by else None
-                print(f"  t={time.monotonic() - started:5.0f}s "
-                      + " ".join(f"v{_version_number(v)}:{st.rate:.2f}/{st.served}"
-                                 for v, st in sorted(by.items(),
-                                                     key=lambda kv: _version_number(kv[0]))),
-                      flush=True)
-                if (newest is not None and _version_number(newest) >= releases
-                        and by[newest].served >= min_per_version):
-                    break
+            with DeveloperThread(s, stack.base_url, plan) as developers:
+                watch.follow(developers)
         finally:
-            loop_time = time.monotonic() - started
             stop.set()
-            trainer.join(timeout=120)
-            join.join(timeout=30)
-            users.close()
-    return _report(settings, users, reports, loop_time)
+            trainer.join(timeout=300)
+            join.join(timeout=60)
+        releases = watch.releases()
+    return report(settings, developers.population, releases, time.monotonic() - started)
 
 
-def _report(settings: Settings, users: Any, reports: dict[str, Any], loop_time: float) -> int:
-    by = {_version_number(v): st for v, st in users.stats.by_version.items()}
+class LiveView:
+    """The progress display of the live loop, from the product's own admin API."""
+
+    def __init__(self, base_url: str, admin_token: str, plan: DemoPlan) -> None:
+        self.http = httpx.Client(base_url=base_url, timeout=30,
+                                 headers={"Authorization": f"Bearer {admin_token}"})
+        self.plan = plan
+
+    def releases(self) -> list[dict[str, Any]]:
+        reply = self.http.get("/admin/releases", params={"limit": 1000})
+        reply.raise_for_status()
+        return sorted(reply.json(), key=lambda r: r["version"])
+
+    def follow(self, developers: DeveloperThread) -> None:
+        """Until `plan.releases` releases were served and the newest one has served
+        `plan.min_sessions` sessions, or `plan.max_loop_s`."""
+        from tqdm import tqdm
+
+        stats = developers.population.stats
+        started = time.monotonic()
+        seen: set[int] = set()
+        bar = tqdm(total=self.plan.releases, desc="releases", unit="release", dynamic_ncols=True)
+        try:
+            while time.monotonic() - started < self.plan.max_loop_s:
+                if developers.error is not None:
+                    raise developers.error
+                served = self._served_version()
+                for row in self.releases():
+                    if row["version"] > 0 and row["version"] not in seen \
+                            and row["status"] in ("published", "rejected"):
+                        seen.add(row["version"])
+                        bar.write(release_line(row))
+                published = sum(1 for v in stats.by_version if v > 0)
+                bar.n = min(published, self.plan.releases)
+                newest = stats.by_version.get(served)
+                bar.set_postfix_str(
+                    f"v{served} | sessions {stats.sessions} | "
+                    + " ".join(f"v{v}:{s.acceptance:.0%}" for v, s in
+                               sorted(stats.by_version.items())), refresh=True)
+                if published >= self.plan.releases and newest is not None \
+                        and newest.sessions >= self.plan.min_sessions:
+                    break
+                time.sleep(2.0)
+        finally:
+            bar.close()
+
+    def _served_version(self) -> int:
+        reply = self.http.get("/admin/status")
+        reply.raise_for_status()
+        return int(reply.json()["model_version"])
+
+
+def release_line(row: dict[str, Any]) -> str:
+    summary = row.get("eval_summary") or {}
+    figures = ""
+    if "candidate_pass_at_1" in summary:
+        figures = (f" held-out pass@1 {summary['served_pass_at_1']:.1%} -> "
+                   f"{summary['candidate_pass_at_1']:.1%}")
+    return f"release v{row['version']}: {row['status']}{figures} ({row['reason']})"
+
+
+def held_out_by_version(releases: list[dict[str, Any]]) -> dict[int, float]:
+    """Held-out pass@1 of every published version, from the eval gate's figures."""
+    out: dict[int, float] = {}
+    for row in releases:
+        summary = row.get("eval_summary") or {}
+        if "candidate_pass_at_1" not in summary:
+            continue
+        out.setdefault(int(row["parent"]), float(summary["served_pass_at_1"]))
+        if row["status"] in ("published", "rolled_back"):
+            out[int(row["version"])] = float(summary["candidate_pass_at_1"])
+    return dict(sorted(out.items()))
+
+
+def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
+           wall_s: float) -> int:
+    stats = population.stats
+    by = {v: s for v, s in sorted(stats.by_version.items())}
+    held_out = held_out_by_version(releases)
+    print(f"\n{'version':>8} {'sessions':>9} {'accepted':>9} {'rate':>6} {'held-out':>9}")
+    for v, s in by.items():
+        figure = f"{held_out[v]:.1%}" if v in held_out else "-"
+        print(f"{v:>8} {s.sessions:>9} {s.passed:>9} {s.acceptance:>6.1%} {figure:>9}")
     versions = sorted(by)
-    print(f"\n{'version':>8} {'served':>7} {'accepted':>9} {'rate':>6}")
-    for v in versions:
-        print(f"{v:>8} {by[v].served:>7} {by[v].accepted:>9} {by[v].rate:>6.2f}")
-    trainer = reports.get("trainer")
-    published = [r for r in (trainer.releases if trainer else []) if r.get("released")]
-    plot = _plot(users.log, settings.data_dir / "demo_acceptance.png")
-    gain = (by[versions[-1]].rate - by[versions[0]].rate) * 100 if versions else 0.0
-    print(f"loop time {loop_time:.0f}s; trainer steps {trainer.steps if trainer else 0}, "
-          f"experiences {trainer.consumed if trainer else 0}, releases published "
-          f"{len(published)} (hot-swapped while users were served: {len(versions) - 1}); "
-          f"plot {plot}")
-    print(json.dumps({"acceptance_by_version": {str(v): round(by[v].rate, 4) for v in versions},
-                      "acceptance_gain_points": round(gain, 1),
-                      "releases": max(0, len(versions) - 1),
-                      "failed_requests": users.stats.failed_requests}))
+    gain = (by[versions[-1]].acceptance - by[versions[0]].acceptance) * 100 if versions else 0.0
+    held = sorted(held_out)
+    held_gain = (held_out[held[-1]] - held_out[held[0]]) * 100 if held else 0.0
+    plot = plot_demo(population.outcomes, held_out, settings.data_dir / "demo.png")
+    print(f"sessions {stats.sessions} ({stats.turns} completions; {stats.spanning_swap} spanned "
+          f"a hot-swap), feedback sent {stats.feedback_sent}, refused releases "
+          f"{sum(r['status'] == 'rejected' for r in releases)}; plot {plot}")
+    print(json.dumps({
+        "acceptance_by_version": {str(v): round(s.acceptance, 4) for v, s in by.items()},
+        "acceptance_gain_points": round(gain, 1),
+        "held_out_by_version": {str(v): round(p, 4) for v, p in held_out.items()},
+        "held_out_gain_points": round(held_gain, 1),
+        "releases": max(0, len(versions) - 1),
+        "failed_requests": stats.failed_requests,
+        "cheating_flagged": stats.cheating_flagged,
+        "wall_s": round(wall_s, 1)}))
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """Acceptance rate per served version over time (a rolling mean of 40 completions)."""
-    try:
-        import matplotlib
+def plot_demo(outcomes: list[Any], held_out: dict[int, float], path: Path, *,
+              window: int = 150) -> Path | None:
+    """Live acceptance per served version over time (a rolling mean of `window` sessions,
+    dashed: the version's whole mean) and held-out pass@1 per version."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not outcomes:
         return None
-    if not rows:
-        return None
-    t0 = rows[0]["t"]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for version in sorted({r["version"] for r in rows}, key=_version_number):
-        mine = [r for r in rows if r["version"] == version]
-        xs, ys = [], []
-        for i in range(len(mine)):
-            window = mine[max(0, i - 39):i + 1]
-            xs.append(mine[i]["t"] - t0)
-            ys.append(sum(bool(r["accepted"]) for r in window) / len(window))
-        ax.plot(xs, ys, label=f"v{_version_number(version)} ({len(mine)} served)")
-    ax.set_xlabel("loop time (s)")
-    ax.set_ylabel("acceptance rate (rolling 40)")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title("Live acceptance of simulated users per served model version")
+    t0 = outcomes[0].finished_at
+    fig, (live, gate) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+    for version in sorted({o.version for o in outcomes if o.version is not None}):
+        mine = [o for o in outcomes if o.version == version]
+        passed = [float(o.passed) for o in mine]
+        times = [o.finished_at - t0 for o in mine]
+        start = min(30, len(mine) - 1)  # a rolling mean of a handful is noise
+        spans = [passed[max(0, i - window + 1):i + 1] for i in range(start, len(mine))]
+        rolling = [sum(span) / len(span) for span in spans]
+        line, = live.plot(times[start:], rolling, label=f"v{version} ({len(mine)} sessions)")
+        live.hlines(sum(passed) / len(passed), times[0], times[-1], colors=line.get_color(),
+                    linestyles="dashed")
+    live.set(xlabel="live loop time (s)",
+             ylabel=f"sessions whose tests pass (rolling {window})", ylim=(0, 1),
+             title="Live acceptance of simulated developers, per served version")
+    live.legend(loc="upper left")
+    versions = sorted(held_out)
+    bars = gate.bar([f"v{v}" for v in versions], [held_out[v] for v in versions])
+    gate.bar_label(bars, labels=[f"{held_out[v]:.0%}" for v in versions])
+    gate.set(ylim=(0, 1), ylabel="held-out pass@1 (greedy)", title="Eval gate, per version")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)

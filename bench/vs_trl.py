@@ -3,16 +3,22 @@
 Both sides start from one mid-trained copy of the same weights, train on the built-in train
 tasks with G = `bootstrap.group_size` samples per task and `groups_per_step` tasks per optimizer
 step, at the same temperature, tokens per model turn, learning rate and ratio clip, for the same
-wall time, with the same `torch.set_num_threads`. Prints both reward curves' end points (mean of
-the first and last 5 steps) and samples/s, and ends with one JSON line.
+wall time, with the same `torch.set_num_threads`.
 
-The episodes differ, and the output says so: Flywheel's are multi-turn (write_file, run_tests,
-finish, up to `max_turns` model turns, `simulate/harness.py`); TRL's GRPOTrainer samples one
-completion per prompt, so its episode is the harness's first turn only: the same ChatML prompt
-tokens, the tool call parsed by `simulate/tools.py`, the workspace scored by the same
-`TaskEnvironment` reward (1.0 all tests pass, else 0.5 x passing fraction) in the same sandbox.
-A sample is one episode on either side; samples/s counts the episodes that reached an
-optimizer step, per second of training-loop wall time.
+The episodes differ: Flywheel's are multi-turn (apply_edit, run_tests, finish, up to
+`max_turns` model turns, `simulate/harness.py`); TRL's GRPOTrainer samples one completion per
+prompt, so its episode is the harness's first turn only: the same ChatML prompt tokens, the
+tool call parsed by `simulate/tools.py`, the workspace scored by the same `TaskEnvironment`
+reward in the same sandbox. So the common units are:
+
+- throughput: tokens sampled by the policy per second of training-loop wall time, in the
+  episodes that reached an optimizer step (a TRL sample is one turn, a Flywheel episode
+  several); samples/s is printed beside it;
+- reward: each final policy's expected reward on one fixed list of train tasks, measured the
+  same way for both (`trainer.offline.mean_reward`: the product's multi-turn episode, seeded,
+  at the training temperature), and its greedy held-out pass@1. The training curves (reward
+  per step against wall time) are printed and plotted, but their rewards are each side's own
+  episode.
 
     pip install -e '.[bench]'        # TRL and its dependencies (make bench does this)
     .venv/bin/python bench/vs_trl.py --seconds 120 [--model-dir data/models/base]
@@ -39,6 +45,7 @@ from trainer.bootstrap_config import BootstrapSettings  # noqa: E402
 TRL_MISSING = ("bench/vs_trl.py needs TRL, which the default install leaves out: "
                "pip install -e '.[bench]'  (or: make bench)")
 END_STEPS = 5  # the end points of a reward curve: the mean of its first / last 5 steps
+REWARD_TASKS, REWARD_SAMPLES = 32, 4  # the fixed measure of a final policy's reward
 
 
 def first_turn_prompt(chat: Any, task: Task) -> str:
@@ -74,7 +81,7 @@ class FirstTurnReward:
             for i, (text, tid) in enumerate(zip(completions, task_id, strict=True)):
                 env = TaskEnvironment(self.tasks[tid], Path(tmp) / str(i), self.cache)
                 env.step(text)
-                rewards.append(env.reward())
+                rewards.append(env.reward().value)
         self.scored += len(rewards)
         return rewards
 
@@ -82,7 +89,9 @@ class FirstTurnReward:
 @dataclass
 class TrlRun:
     rewards: list[float] = field(default_factory=list)  # one per optimizer step
+    times: list[float] = field(default_factory=list)  # loop wall time at each step's log
     samples: int = 0
+    tokens: int = 0  # completion tokens sampled in the trained batches
     wall_s: float = 0.0
 
     @property
@@ -92,6 +101,10 @@ class TrlRun:
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(1e-9, self.wall_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(1e-9, self.wall_s)
 
 
 def curve_ends(rewards: list[float]) -> tuple[float, float]:
@@ -119,6 +132,7 @@ def run_trl(model: Any, tokenizer: Any, cfg: BootstrapSettings, train: list[Task
                                  for t in train])
     reward = FirstTurnReward(train, SandboxCache(), workdir)
     run = TrlRun()
+    batch = cfg.groups_per_step * cfg.group_size  # completions per optimizer step
 
     class WallClock(TrainerCallback):  # type: ignore[misc]
         """Starts the clock with the loop, logs reward per step, stops at the deadline."""
@@ -131,6 +145,8 @@ def run_trl(model: Any, tokenizer: Any, cfg: BootstrapSettings, train: list[Task
                    **kw: Any) -> None:
             if logs and "reward" in logs:
                 run.rewards.append(float(logs["reward"]))
+                run.times.append(time.monotonic() - self.start)
+                run.tokens += round(float(logs.get("completions/mean_length", 0.0)) * batch)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if time.monotonic() - self.start > seconds:
@@ -161,6 +177,46 @@ def run_trl(model: Any, tokenizer: Any, cfg: BootstrapSettings, train: list[Task
     return run
 
 
+def plot_curves(fly: list[tuple[float, float]], trl: list[tuple[float, float]],
+                path: Path) -> Path:
+    """Both training curves, reward per step (a rolling mean of 5) against wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in (("flywheel (multi-turn episode)", fly),
+                          ("trl (first turn only)", trl)):
+        rewards = [r for _, r in points]
+        smooth = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1])
+                  for i in range(len(rewards))]
+        ax.plot([t for t, _ in points], smooth, label=label)
+    ax.set(xlabel="training-loop wall time (s)", ylabel="rollout reward (rolling 5 steps)",
+           ylim=(0, 1), title="GRPO from the same start: Flywheel vs TRL")
+    ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def final_policy(policy: Any, cfg: BootstrapSettings, tasks: list[Task],
+                 held_out: list[Task]) -> tuple[float, float]:
+    """(expected multi-turn episode reward on `tasks`, greedy held-out pass@1) of a policy."""
+    from simulate.rollouts import SandboxCache, pass_rate
+    from trainer.offline import evaluate, mean_reward
+    from trainer.rollout_workers import make_engine
+
+    cache = SandboxCache()
+    reward = mean_reward(policy, cfg, tasks, samples=REWARD_SAMPLES, cache=cache)
+    engine = make_engine(policy, cfg, seed=cfg.seed)
+    try:
+        held = pass_rate(evaluate(engine, cfg, held_out, cache))
+    finally:
+        engine.close()
+    return reward, held
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = settings.bootstrap.model_copy(update={"time_budget_s": args.seconds})
     threads = args.threads or cfg.torch_threads
 
+    import random
+
     import torch
 
     from simulate.rollouts import SandboxCache
@@ -193,30 +251,47 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     start = midtrained_start(cfg, model_dir, steps=args.midtrain_steps)
     train = start.train
+    fixed = random.Random(cfg.seed).sample(train, min(REWARD_TASKS, len(train)))
     print(f"same start: {start.steps} mid-training steps on {len(train)} train tasks; group size "
           f"{cfg.group_size} x {cfg.groups_per_step} tasks per step; {args.seconds:.0f} s "
           f"per side; torch threads {threads}; trl {trl.__version__}", flush=True)
+    start_reward, start_held = final_policy(start.policy(lr=cfg.lr), cfg, fixed, start.held_out)
 
-    fly = run_grpo(start.policy(lr=cfg.lr), cfg, train, start.held_out, cache=SandboxCache(),
-                   progress=False)
+    policy = start.policy(lr=cfg.lr)
+    fly = run_grpo(policy, cfg, train, start.held_out, cache=SandboxCache(), progress=False)
+    fly_reward, fly_held = final_policy(policy, cfg, fixed, start.held_out)
     fly_ends = curve_ends([h["reward"] for h in fly.history])
     print(f"flywheel ({cfg.mode}, multi-turn, <= {cfg.max_turns} turns): steps {fly.steps:3d}  "
-          f"samples {fly.samples:5d}  samples/s {fly.samples_per_s:6.2f}  "
-          f"reward {fly_ends[0]:.3f} -> {fly_ends[1]:.3f}", flush=True)
+          f"samples/s {fly.samples_per_s:6.2f}  tokens/s {fly.tokens_per_s:7.1f}  "
+          f"curve {fly_ends[0]:.3f} -> {fly_ends[1]:.3f}", flush=True)
 
     policy = start.policy(lr=cfg.lr)
     trl_run = run_trl(policy.model, policy.tokenizer, cfg, train, seconds=args.seconds,
                       threads=threads, workdir=workdir)
+    trl_reward, trl_held = final_policy(policy, cfg, fixed, start.held_out)
     trl_ends = curve_ends(trl_run.rewards)
     print(f"trl      (GRPOTrainer, single turn):    steps {trl_run.steps:3d}  "
-          f"samples {trl_run.samples:5d}  samples/s {trl_run.samples_per_s:6.2f}  "
-          f"reward {trl_ends[0]:.3f} -> {trl_ends[1]:.3f}")
-    print(f"reward = mean of the first -> last {END_STEPS} steps; a TRL sample is one turn, a "
-          "Flywheel sample a whole episode (2 shared CPU cores: timings are noisy)")
-    print(json.dumps({"bench": "vs_trl", "flywheel_reward": round(fly_ends[1], 3),
-                      "trl_reward": round(trl_ends[1], 3),
-                      "flywheel_samples_per_s": round(fly.samples_per_s, 3),
-                      "trl_samples_per_s": round(trl_run.samples_per_s, 3)}))
+          f"samples/s {trl_run.samples_per_s:6.2f}  tokens/s {trl_run.tokens_per_s:7.1f}  "
+          f"curve {trl_ends[0]:.3f} -> {trl_ends[1]:.3f}")
+    plot = plot_curves([(h["wall_s"], h["reward"]) for h in fly.history],
+                       list(zip(trl_run.times, trl_run.rewards, strict=True)),
+                       workdir / "vs_trl.png")
+    print(f"final policies, one measure ({len(fixed)} train tasks x {REWARD_SAMPLES} multi-turn "
+          f"episodes; greedy held-out pass@1): start {start_reward:.3f} / {start_held:.1%}, "
+          f"flywheel {fly_reward:.3f} / {fly_held:.1%}, trl {trl_reward:.3f} / {trl_held:.1%}; "
+          f"curves {plot}")
+    print(json.dumps({"bench": "vs_trl", "flywheel_reward": round(fly_reward, 3),
+                      "trl_reward": round(trl_reward, 3),
+                      "flywheel_tokens_per_s": round(fly.tokens_per_s, 1),
+                      "trl_tokens_per_s": round(trl_run.tokens_per_s, 1),
+                      "start_reward": round(start_reward, 3),
+                      "flywheel_held_out": round(fly_held, 4), "trl_held_out": round(trl_held, 4),
+                      "start_held_out": round(start_held, 4),
+                      "flywheel_steps": fly.steps, "trl_steps": trl_run.steps,
+                      "flywheel_samples_per_s": round(fly.samples_per_s, 2),
+                      "trl_samples_per_s": round(trl_run.samples_per_s, 2),
+                      "flywheel_curve": [round(x, 3) for x in fly_ends],
+                      "trl_curve": [round(x, 3) for x in trl_ends], "seconds": args.seconds}))
     return 0
 
 
