@@ -108,7 +108,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ("releases", args.releases), ("max_loop_s", args.loop_seconds),
         ("release_every_s", args.release_every), ("grpo_s", args.grpo_seconds),
         ("midtrain_steps", args.midtrain_steps), ("min_sessions", args.min_sessions),
-        ("concurrency", args.developers)) if v is not None})
+        ("concurrency", args.developers), ("temperature", args.temperature))
+        if v is not None})
     return run_demo_loop(settings, plan)
 
 
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"before the demo ends ({plan.min_sessions})")
     p.add_argument("--developers", type=int,
                    help=f"simulated developers at once ({plan.concurrency})")
+    p.add_argument("--temperature", type=float,
+                   help=f"the developers' sampling temperature ({plan.temperature})")
     p.add_argument("--port", type=int, help="API port (default: a free one)")
     p.set_defaults(func=cmd_demo)
     return parser

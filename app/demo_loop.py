@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -41,20 +42,21 @@ class DemoPlan:
     """The demo's budget on a 2-core machine (`flywheel demo --help` sets each)."""
 
     # a short bootstrap: the model a product would first ship, with room to learn
-    midtrain_steps: int = 300
+    midtrain_steps: int = 400
     grpo_s: float = 60.0  # the bootstrap's GRPO budget
     releases: int = 4
     release_every_s: float = 150.0
     min_sessions: int = 300  # served by the newest release before the demo ends
     max_loop_s: float = 900.0  # the live loop stops here whatever it reached
     concurrency: int = 16  # simulated developers at once
+    temperature: float = 0.7  # the developers' agent samples at an editor's temperature
 
 
 def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     """The demo's knobs on top of `settings`: the trainer's cadence and batches, the engine's
     prefix cache (an agent's next turn extends its conversation) and a signing secret."""
     online = settings.online.model_copy(update={
-        "release_interval_s": plan.release_every_s, "threads": 1, "lr": 1e-4,
+        "release_interval_s": plan.release_every_s, "threads": 1, "lr": 2e-4,
         "min_batch": 32, "max_batch": 64, "checkpoint_every_steps": 10})
     engine = settings.engine.model_copy(update={"threads": 1, "prefix_cache_tokens": 32768})
     bootstrap = settings.bootstrap.model_copy(update={
@@ -87,6 +89,17 @@ def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]
     return model, summary
 
 
+def fresh_live_dir(data_dir: Path) -> Path:
+    """`D/live`, emptied: every run's live loop starts from version 0 of the bootstrapped model,
+    with no release, checkpoint, session or ledger of an earlier run."""
+    live = data_dir / "live"
+    if live.exists():
+        print(f"removing the previous run's live state in {live}", flush=True)
+        shutil.rmtree(live)
+    live.mkdir(parents=True)
+    return live
+
+
 class DeveloperThread:
     """The simulated developers on their own event loop, until `stop` is set."""
 
@@ -98,7 +111,8 @@ class DeveloperThread:
         self.population = DeveloperPopulation(
             base_url, tasks, secret=settings.feedback_secrets[0].get_secret_value(),
             settings=DeveloperSettings(concurrency=plan.concurrency,
-                                       harness=settings.bootstrap.harness(temperature=1.0)),
+                                       harness=settings.bootstrap.harness(
+                                           temperature=plan.temperature)),
             workdir=settings.data_dir)
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -129,8 +143,9 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
     plan = plan or DemoPlan()
     settings = demo_settings(settings, plan)
     model_dir, _ = bootstrapped_model(settings)
-    settings = settings.model_copy(update={"model_dir": model_dir})
-    with running_stack(settings) as stack:
+    live = fresh_live_dir(settings.data_dir)
+    with running_stack(settings.model_copy(
+            update={"model_dir": model_dir, "data_dir": live})) as stack:
         s = stack.settings
         stop = threading.Event()
         join = threading.Thread(target=run_join, name="join", daemon=True, kwargs={
