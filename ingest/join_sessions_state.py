@@ -195,9 +195,19 @@ def turn_row(source: int, seq: int, turns: Sequence[tuple[str, Turn] | None]
                                             for t in turns]))
 
 
-def decode_turns(turns: str | None, count: int) -> list[tuple[str, Turn] | None]:
-    """A batch's join_outbox_turn array (None: the batch has no row) for its `count`
-    experiences: per experience, (generation id, turn) or None."""
-    if turns is None:
-        return [None] * count
-    return [None if t is None else (t[0], Turn(t[1], t[2])) for t in json.loads(turns)]
+def paid_generations(generation_ids: Sequence[str | None], turns: str | None
+                     ) -> list[tuple[str, Turn | None]]:
+    """Per experience of an outbox batch, the generation it pays and its turn: a generation
+    verdict pays its own `generation_id` (turn None); a session verdict's experience pays the
+    generation its join_outbox_turn entry names. `turns`: the batch's join_outbox_turn array
+    (None: the batch has no row)."""
+    entries = [None] * len(generation_ids) if turns is None else json.loads(turns)
+    out: list[tuple[str, Turn | None]] = []
+    for generation_id, entry in zip(generation_ids, entries, strict=True):
+        if entry is not None:
+            out.append((entry[0], Turn(entry[1], entry[2])))
+        elif generation_id is None:
+            raise ValueError("a session verdict's experience has no join_outbox_turn entry")
+        else:
+            out.append((generation_id, None))
+    return out

@@ -53,7 +53,7 @@ from sqlmodel import Column, Field, SQLModel, col, create_engine
 
 from ingest.events import EventDecodeError, FeedbackReceived, GenerationLogged
 from ingest.experience_json import Turn
-from ingest.join_sessions_state import SESSION_TABLES, JoinOutboxTurn, TurnRow, decode_turns
+from ingest.join_sessions_state import SESSION_TABLES, JoinOutboxTurn, TurnRow, paid_generations
 from ingest.log import decode_all, list_adapter
 from ingest.sql_ids import IDS, insert_rows
 from ingest.sql_ids import chunks as _chunks
@@ -437,8 +437,8 @@ def unproduced(conn: object, sources: Collection[int]) -> list[Unproduced]:
             _unproduced_batches().where(JoinOutbox.source.in_(sorted(sources)))  # type: ignore[attr-defined]
             .order_by(JoinOutbox.source, JoinOutbox.seq)):
         events, values = decode(feedback), json.loads(rewards)
-        for f, reward, turn in zip(events, values, decode_turns(turns, len(events)), strict=True):
-            generation_id = f.key if turn is None else turn[0]
+        paid = paid_generations([f.generation_id for f in events], turns)
+        for f, reward, (generation_id, turn) in zip(events, values, paid, strict=True):
             found.append((source, seq, f, reward, joined_at, generation_id, turn))
     sessions = stored_sessions(conn, {generation_id for *_, generation_id, _ in found})
     out = []
@@ -446,8 +446,7 @@ def unproduced(conn: object, sources: Collection[int]) -> list[Unproduced]:
         if generation_id not in sessions:  # expire() keeps these: a bug if it did not
             raise RuntimeError(f"outbox batch {source}/{seq}: session {generation_id} "
                                "is gone")
-        out.append(Unproduced(source, seq, f, reward, sessions[generation_id][0], joined_at,
-                              turn[1] if turn is not None else None))
+        out.append(Unproduced(source, seq, f, reward, sessions[generation_id][0], joined_at, turn))
     return out
 
 
@@ -455,9 +454,8 @@ def awaited_sessions(conn: object) -> set[str]:
     """The generation ids whose sessions an unproduced outbox batch still needs."""
     awaited: set[str] = set()
     for _, _, feedback, _, _, turns in conn.execute(_unproduced_batches()):  # type: ignore[attr-defined]
-        events = json.loads(feedback)
-        for f, turn in zip(events, decode_turns(turns, len(events)), strict=True):
-            awaited.add(f["generation_id"] if turn is None else turn[0])
+        paid = paid_generations([f["generation_id"] for f in json.loads(feedback)], turns)
+        awaited.update(generation_id for generation_id, _ in paid)
     return awaited
 
 
