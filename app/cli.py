@@ -1,7 +1,7 @@
 """`flywheel`: one CLI for every part. `--help` answers without importing torch.
 
     flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
-    flywheel up [--port P] [--data-dir D]       broker + API; prints READY http://127.0.0.1:P
+    flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--data-dir D]        experiences -> policy updates -> releases
@@ -55,7 +55,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     with running_stack(settings) as stack:
-        print(f"READY {stack.base_url}", flush=True)
+        print(f"READY {stack.base_url} kafka={stack.kafka.bootstrap}", flush=True)
         stop.wait()
     return 0
 

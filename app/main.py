@@ -6,13 +6,19 @@ starts the embedded one first). Tests may pass ready-made `Services` instead.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 
-from app.errors import OpenAIError, install_error_handlers
+from app.errors import error_responses, install_error_handlers
+from app.guard import RequestGuard
 from app.metrics import Metrics
 from app.routes import admin, completions, feedback, health, models
 from app.routes import metrics as metrics_route
@@ -104,23 +110,43 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                 close_services(app.state.services)
 
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
-    for module in (completions, feedback, admin, health):
+    for module in (completions, feedback, models, admin, releases_route, trainer_route,
+                   health, metrics_route):
         app.include_router(module.router)
-    app.include_router(models.router)
-    app.include_router(metrics_route.router)
-    app.include_router(trainer_route.router)
     install_error_handlers(app)
-    app.include_router(releases_route.router)
-
-    @app.middleware("http")
-    async def limit_body(request: Request,
-                         call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > settings.max_body_bytes:
-            return OpenAIError(413, f"body of {length} bytes exceeds the limit of "
-                               f"{settings.max_body_bytes} bytes",
-                               code="request_too_large").response()
-        return await call_next(request)
-
-    app.add_middleware(feedback.FeedbackFastPath)  # outermost: the webhooks skip the rest
+    app.add_middleware(feedback.FeedbackFastPath)  # the webhooks skip the rest
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)  # outermost
+    app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     return app
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with:
+    - the webhook bodies the feedback routes parse by hand (`feedback.BODIES`);
+    - the answers any route may give: 500 (app/guard.py) on every one; on every one that
+      takes a body, 413 (app/guard.py) and 400 (a body that is not UTF-8 text, which FastAPI
+      refuses before validation);
+    - less the 422 `HTTPValidationError` answer FastAPI adds to every route with parameters:
+      no route answers that shape (app/errors.py); each documents its own validation status
+      (400 on the inference routes, 422 elsewhere) with the error body."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, bodies = models_json_schema([(m, "validation") for m in feedback.BODIES],
+                                       ref_template="#/components/schemas/{model}")
+        document.setdefault("components", {}).setdefault("schemas", {}).update(
+            bodies["$defs"])
+        guard = error_responses(400, 413, 500)
+        for operations in document["paths"].values():
+            for operation in operations.values():
+                answers = operation["responses"]
+                if "HTTPValidationError" in json.dumps(answers.get("422", {})):
+                    del answers["422"]
+                for status in (400, 413, 500) if "requestBody" in operation else (500,):
+                    answers.setdefault(str(status), {
+                        "description": guard[status]["description"], "content": {
+                            "application/json": {"schema": {
+                                "$ref": "#/components/schemas/ErrorResponse"}}}})
+        for name in ("HTTPValidationError", "ValidationError"):
+            document.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema

@@ -2,7 +2,9 @@
 
 Field names, types and defaults follow the OpenAI API, so the official clients work unmodified.
 Extras: `session_id` on requests; `generation_id` on each choice (with n > 1 every choice is
-its own logged generation; the response `id` is the first one's).
+its own logged generation; the response `id` is the first one's). Every number is bounded to
+what the sampler takes (floats finite, `seed` a signed 64-bit integer), and a request holds at
+most `MAX_CHOICES` generations (prompts x n), so no value reaches the engine unchecked.
 """
 
 from __future__ import annotations
@@ -11,16 +13,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_N = 16  # choices per request; each is a batch row
+MAX_N = 16  # choices per prompt; each is a batch row
+MAX_CHOICES = 64  # generations per request (prompts x n)
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+INT64 = (-(2**63), 2**63 - 1)
+# below this a temperature samples greedily, as 0 does (its limit); logits / T would overflow
+# float32 near 1e-36 and make the distribution NaN
+MIN_TEMPERATURE = 1e-6
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore
+    # OpenAI clients send fields we ignore; a value of the wrong JSON type (`true` for a
+    # number) is refused, not coerced, and so are NaN and the infinities
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -29,7 +40,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     user: str | None = Field(default=None, max_length=256)
     session_id: str | None = Field(default=None, max_length=256)
 
@@ -38,7 +49,7 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -58,7 +69,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"a prompt, or up to {MAX_CHOICES} of them (text or token ids)")
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False

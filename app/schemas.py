@@ -21,7 +21,7 @@ class FeedbackRequest(BaseModel):
     generation_id: str | None = Field(default=None, min_length=1, max_length=128)
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     kind: FeedbackKind
-    value: float | None = None
+    value: float | None = Field(default=None, strict=True, allow_inf_nan=False)
     occurred_at: datetime | None = None
     source: str = Field(default="api", max_length=64)
 
@@ -60,8 +60,10 @@ class StatusResponse(BaseModel):
 class ReleaseRequest(BaseModel):
     """`POST /admin/releases`: build a release now (default candidate: the trainer's latest)."""
 
-    candidate: str | None = Field(default=None, description="checkpoint path (HF dir or "
-                                  ".safetensors); default: release.candidate_path")
+    candidate: str | None = Field(default=None, min_length=1, max_length=4096,
+                                  description="checkpoint path (HF dir or .safetensors) under "
+                                  "the data dir or the artifact store; default: "
+                                  "release.candidate_path")
     requested_by: str = Field(default="admin", max_length=128)
     reason: str = Field(default="manual release", max_length=2000)
 

@@ -23,6 +23,7 @@ Topics and keys: sessions keyed by generation_id, feedback by generation_id or s
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import math
@@ -59,7 +60,7 @@ class PackedArray(BaseModel):
 
     @classmethod
     def pack(cls, values: np.ndarray | Sequence[Any], dtype: DType) -> PackedArray:
-        array = np.ascontiguousarray(np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")))
+        array = np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<"), order="C")
         return cls(dtype=dtype, shape=tuple(array.shape),
                    data=base64.b64encode(array.tobytes()).decode("ascii"))
 
@@ -75,8 +76,13 @@ class PackedArray(BaseModel):
 
     @model_validator(mode="after")
     def _size_matches_shape(self) -> PackedArray:
+        if any(side < 0 for side in self.shape):
+            raise ValueError(f"shape {list(self.shape)} has a negative side")
+        try:  # strict: every character in the alphabet, padding only at the end
+            actual = len(binascii.a2b_base64(self.data, strict_mode=True))
+        except binascii.Error as exc:
+            raise ValueError(f"data is not base64: {exc}") from exc
         expected = math.prod(self.shape) * np.dtype(self.dtype).itemsize
-        actual = len(self.data) * 3 // 4 - self.data.count("=")
         if actual != expected:
             raise ValueError(f"packed {self.dtype}{list(self.shape)} needs {expected} bytes, "
                              f"got {actual}")
@@ -138,7 +144,7 @@ class FeedbackReceived(BaseModel):
     generation_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
     session_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
     kind: FeedbackKind
-    value: float | None = None
+    value: float | None = Field(default=None, strict=True, allow_inf_nan=False)  # a number
     occurred_at: datetime = Field(default_factory=utcnow)
     received_at: datetime = Field(default_factory=utcnow)
     source: str = Field(default="api", max_length=64)

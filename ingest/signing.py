@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 SIGNATURE_HEADER = "Flywheel-Signature"
 SCHEME = "v1"
+MAX_TIMESTAMP = 10**11  # unix seconds, year 5138: anything later is not a clock reading
 
 
 class SignatureError(ValueError):
@@ -47,7 +48,9 @@ def parse_header(header: str) -> tuple[int, list[str]]:
             try:
                 timestamp = int(value)
             except ValueError as exc:
-                raise SignatureError(f"timestamp {value!r} is not an integer") from exc
+                raise SignatureError(f"timestamp {value[:32]!r} is not an integer") from exc
+            if not 0 <= timestamp <= MAX_TIMESTAMP:
+                raise SignatureError("timestamp is not unix seconds")
         elif name == SCHEME:
             signatures.append(value)
     if timestamp is None:

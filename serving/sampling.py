@@ -2,8 +2,9 @@
 
 The logprob is taken under the distribution the token was drawn from after temperature
 scaling (what the trainer recomputes as log_softmax(logits / T)); nucleus truncation decides
-which tokens may be drawn but does not renormalize the reported logprob. Greedy decoding
-(temperature 0) reports the raw log_softmax.
+which tokens may be drawn but does not renormalize the reported logprob; the nucleus always
+holds the most likely token, however small `top_p` (its limit as top_p -> 0 is greedy). Greedy
+decoding (temperature 0) reports the raw log_softmax.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        keep[0] = True  # a top_p below float32's resolution would keep nothing
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[order[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))

@@ -8,7 +8,11 @@ with a reason when absent, and fail instead when CI=true.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings
-from ingest.broker import EmbeddedBroker
+from ingest.broker import EmbeddedBroker, free_port
 from ingest.config import KafkaConfig
 from ingest.log import ensure_topics
 
@@ -103,3 +107,42 @@ def settings(tmp_path: Path, kafka: KafkaConfig, model_dir: Path) -> Settings:
     """Embedded-profile settings on the shared broker, private topics and data dir."""
     return Settings(data_dir=tmp_path / "data", kafka_bootstrap=kafka.bootstrap,
                     topics=kafka.topics, model_dir=model_dir, port=0)
+
+
+def stack_settings(broker: EmbeddedBroker, model_dir: Path, data_dir: Path,
+                   **overrides: object) -> Settings:
+    """Settings for a `running_stack` on the shared broker, with test-private `sessions` and
+    `feedback` topics, on a free port; `overrides` are Settings fields."""
+    suffix = uuid.uuid4().hex[:8]
+    topics = Settings().topics.model_copy(update={"sessions": f"sessions-{suffix}",
+                                                  "feedback": f"feedback-{suffix}"})
+    return Settings(data_dir=data_dir, kafka_bootstrap=broker.bootstrap, topics=topics,
+                    model_dir=model_dir, port=0, **overrides)  # type: ignore[arg-type]
+
+
+@contextmanager
+def flywheel_up(data_dir: Path, model_dir: Path, **env: str) -> Iterator[tuple[str, str]]:
+    """`flywheel up` as a user starts it (its own broker and release worker), with `env` on
+    top of ours: yields the API's URL and the Kafka address its READY line names; on exit,
+    SIGTERM, and it must exit 0."""
+    port = free_port()
+    environ = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir), **env}
+    for name in ("FLYWHEEL_KAFKA_BOOTSTRAP", "FLYWHEEL_CELERY_BROKER_URL"):
+        environ.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "up", "--port", str(port),
+                             "--data-dir", str(data_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=environ)
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if line.startswith("READY"):
+                break
+        words = line.split()
+        assert words[:2] == ["READY", f"http://127.0.0.1:{port}"], line
+        assert words[2].startswith("kafka=127.0.0.1:"), line
+        yield words[1], words[2].removeprefix("kafka=")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]

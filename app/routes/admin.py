@@ -7,13 +7,14 @@ import time
 from fastapi import APIRouter
 
 from app.deps import AdminDep, ServicesDep
+from app.errors import error_responses
 from app.routes.trainer import trainer_status
 from app.schemas import StatusResponse
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 
-@router.get("/status", response_model=StatusResponse)
+@router.get("/status", response_model=StatusResponse, responses=error_responses(401))
 async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
     version = services.engine.version
     return StatusResponse(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,9 +25,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import ServicesDep
-from app.errors import OpenAIError
+from app.errors import ApiError, error_responses, request_id_of
 from app.openai_schemas import (
+    MAX_CHOICES,
     MAX_STOP,
+    MIN_TEMPERATURE,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -52,6 +55,7 @@ from serving.engine import (
     TopLogprobs,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["inference"])
 GENERATION_HEADER = "X-Flywheel-Generation-Id"
 GENERATION_IDS_HEADER = "X-Flywheel-Generation-Ids"
@@ -104,7 +108,7 @@ class Plan:
     include_usage: bool
     session_id: str | None
     user: str | None
-    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
+    request_id: str  # the request's X-Request-Id (app/guard.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -141,6 +145,9 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_CHOICES:
+        raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts per request",
+                       param="prompt")
     out = []
     for p in prompt:
         out.append(list(tokenizer(p, add_special_tokens=False)["input_ids"])
@@ -149,34 +156,39 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
 
 
 def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
-         prompts: list[list[int]], max_tokens: int | None, logprobs: int | None) -> Plan:
+         prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, *,
+         request_id: str | None = None) -> Plan:
     engine, cfg = services.engine, services.settings.engine
     if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
-        raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
-                          f"`{SERVED_MODEL}`", param="model", code="model_not_found")
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
+                       f"`{SERVED_MODEL}`", param="model", code="model_not_found")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} "
+                       "generations per request", param="n")
     stop = body.stop_strings()
     if len(stop) > MAX_STOP:
-        raise OpenAIError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
+        raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
     if max_tokens is not None and max_tokens > cfg.max_new_tokens_cap:
-        raise OpenAIError(400, f"max_tokens {max_tokens} exceeds this server's cap of "
-                          f"{cfg.max_new_tokens_cap}", param="max_tokens", code="invalid_value")
+        raise ApiError(400, f"max_tokens {max_tokens} exceeds this server's cap of "
+                       f"{cfg.max_new_tokens_cap}", param="max_tokens", code="invalid_value")
     vocab = len(services.tokenizer)  # type: ignore[arg-type]
     longest = max(len(p) for p in prompts)
     for p in prompts:
         if not p:
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
+            raise ApiError(400, "the prompt is empty", param="prompt")
         if any(not 0 <= t < vocab for t in p):
-            raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     room = engine.max_context - longest
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = max_tokens or 1
-        raise OpenAIError(400, f"This model's maximum context length is {engine.max_context} "
-                          f"tokens. However, you requested {longest + asked} tokens "
-                          f"({longest} in the prompt, {asked} in the completion).",
-                          param="messages" if kind == "chat" else "prompt",
-                          code="context_length_exceeded")
+        raise ApiError(400, f"This model's maximum context length is {engine.max_context} "
+                       f"tokens. However, you requested {longest + asked} tokens "
+                       f"({longest} in the prompt, {asked} in the completion).",
+                       param="messages" if kind == "chat" else "prompt",
+                       code="context_length_exceeded")
     max_tokens = max_tokens or min(cfg.default_max_tokens, room)
     temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature  # logged as served
     top_p = 1.0 if body.top_p is None else body.top_p
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                               seed=body.seed, stop=stop)
@@ -190,7 +202,8 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     return Plan(kind=kind, model=body.model or SERVED_MODEL, choices=choices, prompts=prompts,
                 sampling=sampling, logprobs=logprobs,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                session_id=body.session_id, user=body.user)
+                session_id=body.session_id, user=body.user,
+                request_id=request_id or f"req-{uuid.uuid4().hex}")
 
 
 # ---- running: all choices of a request at once, each logged exactly once ----------------
@@ -203,7 +216,7 @@ async def run_choices(services: Services, p: Plan
         try:
             async for delta in services.engine.stream(choice.request):
                 await events.put((choice, delta))
-        except EngineError as exc:
+        except Exception as exc:  # whatever failed, the request hears of it (never hangs)
             await events.put((choice, exc))
         await events.put((choice, None))
 
@@ -272,12 +285,12 @@ async def run_to_end(services: Services, p: Plan, request: Request) -> None:
         if not work.done():
             work.cancel()
     if work.cancelled():
-        raise OpenAIError(499, "client closed the request", code="client_closed")
+        raise ApiError(499, "client closed the request", code="client_closed")
     exc = work.exception()
     if isinstance(exc, EngineClosedError):
-        raise OpenAIError(503, f"the engine is shutting down: {exc}")
+        raise ApiError(503, f"the engine is shutting down: {exc}")
     if isinstance(exc, EngineError):
-        raise OpenAIError(500, f"generation failed: {exc}")
+        raise ApiError(500, f"generation failed: {exc}")
     if exc is not None:
         raise exc
 
@@ -402,8 +415,9 @@ async def sse_events(services: Services, p: Plan) -> AsyncIterator[str]:
         async for choice, delta in runner:
             if delta.token_ids or delta.text or delta.result is not None:
                 yield _chunk(services, p, [_delta_choice(services, p, choice, delta)])
-    except EngineError as exc:
-        yield _sse(OpenAIError(500, f"generation failed: {exc}").body())
+    except Exception as exc:  # the status is sent: the error goes in the stream
+        log.exception("streamed generation of %s failed", p.request_id)
+        yield _sse(ApiError(500, f"generation failed: {exc}").body(p.request_id))
     finally:
         await runner.aclose()
     if p.include_usage:
@@ -427,25 +441,37 @@ async def respond(services: Services, p: Plan, request: Request, response: Respo
         services.metrics.observe_request(p.kind, time.perf_counter() - started)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {  # one event of a stream
+    "data": {"type": "string", "description": "a JSON chunk (`chat.completion.chunk` or "
+                                              "`text_completion`), an error, or `[DONE]`"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+_STREAMED = {"content": {"text/event-stream": {"itemSchema": _SSE_EVENT}},
+             "description": "JSON, or with `stream: true` server-sent events ending in "
+                            "`data: [DONE]`"}
+_RESPONSES = {200: _STREAMED, **error_responses(400, 404, 503)}  # + 413, 500: app.main
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses=_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
                            request: Request, response: Response) -> Any:
     prompt = chat_prompt_ids(services.tokenizer, body.messages)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
-        raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     p = plan(services, "chat", body, [prompt], body.max_completion_tokens or body.max_tokens,
-             logprobs)
+             logprobs, request_id=request_id_of(request))
     return await respond(services, p, request, response, stream=body.stream)
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
 async def completions(body: CompletionRequest, services: ServicesDep, request: Request,
                       response: Response) -> Any:
     if body.echo:
-        raise OpenAIError(400, "echo is not supported", param="echo")
+        raise ApiError(400, "echo is not supported", param="echo")
     prompts = completion_prompts(services.tokenizer, body.prompt)
     if not prompts:
-        raise OpenAIError(400, "the prompt is empty", param="prompt")
-    p = plan(services, "completion", body, prompts, body.max_tokens, body.logprobs)
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    p = plan(services, "completion", body, prompts, body.max_tokens, body.logprobs,
+             request_id=request_id_of(request))
     return await respond(services, p, request, response, stream=body.stream)

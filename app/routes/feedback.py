@@ -5,16 +5,18 @@ The raw body (a FeedbackRequest, or {"events": [...]} for the batch) is checked 
 signatures are 401; an unreadable body is 422 naming the field (an event judges one
 generation or one whole session: one with both `generation_id` and `session_id`, or neither,
 is 422 saying so); the event is produced keyed by whichever it names; more bytes than
-`max_body_bytes` or more events than `feedback_batch_max` is 413. Replies 202 once the broker
-has acknowledged every new event; a repeated `event_id` is accepted (`duplicate: true`) and
-not produced again (the receipt ledger lives in SQL, recent ids in memory).
+`max_body_bytes` (cut while it streams in, app/guard.py) or more events than
+`feedback_batch_max` is 413. Errors come in the API's one shape (app/errors.py). Replies
+202 once the broker has acknowledged every new event; a repeated `event_id` is accepted
+(`duplicate: true`) and not produced again (the receipt ledger lives in SQL, recent ids in
+memory).
 
 These are the hottest routes of the app, so they stay lean: `FeedbackFastPath` (installed by
-`app.main.create_app` as the outermost user middleware) answers them in plain ASGI before the
+`app.main.create_app` inside app/guard.py's `RequestGuard`) answers them in plain ASGI before the
 other middleware and the router; the body is validated once, straight into
 `FeedbackReceived` (pydantic-core on the bytes), and the reply serialized by hand. The
-APIRoutes below share `handle` with it: they document the routes and serve them where the
-middleware is absent.
+APIRoutes below share `handle` with it: they document the routes (request body, every
+status) and serve them where the middleware is absent.
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ from fastapi import APIRouter, Request, Response, status
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.errors import ApiError, error_responses, request_id_of, validation_error
 from app.feedback_intake import FeedbackIntake, FeedbackLogUnavailable
-from app.schemas import FeedbackAccepted, FeedbackBatchAccepted
+from app.schemas import (
+    FeedbackAccepted,
+    FeedbackBatchAccepted,
+    FeedbackBatchRequest,
+    FeedbackRequest,
+)
 from app.services import Services
 from ingest.events import FeedbackReceived, utcnow
 from ingest.signing import SIGNATURE_HEADER, SignatureError, verify
@@ -74,43 +82,39 @@ def _reply(status_code: int, content: object) -> Reply:
     return Reply(status_code, json.dumps(content, separators=(",", ":")).encode())
 
 
-def _error(status_code: int, detail: object) -> Reply:
-    return _reply(status_code, {"detail": detail})  # FastAPI's HTTPException shape
+def _error(error: ApiError, request_id: str | None) -> Reply:
+    return Reply(error.status_code, error.encode(request_id))
 
 
-def _invalid(exc: ValidationError) -> Reply:
-    errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    return _error(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                  [{**e, "loc": ("body", *e["loc"])} for e in errors])
-
-
-async def handle(services: Services, body: bytes, signature: str | None, *,
-                 batch: bool) -> Reply:
+async def handle(services: Services, body: bytes, signature: str | None, *, batch: bool,
+                 request_id: str | None = None) -> Reply:
     """Verify, validate and accept one webhook body; the reply for every outcome."""
     settings = services.settings
-    if len(body) > settings.max_body_bytes:  # chunked bodies skip the Content-Length check
-        return _error(status.HTTP_413_CONTENT_TOO_LARGE,
-                      f"body of {len(body)} bytes exceeds {settings.max_body_bytes}")
     if settings.feedback_secrets:
         secrets = [s.get_secret_value() for s in settings.feedback_secrets]
         try:
             verify(signature, body, secrets, tolerance_s=settings.feedback_tolerance_s)
         except SignatureError as exc:
-            return _error(status.HTTP_401_UNAUTHORIZED, str(exc))
+            return _error(ApiError(status.HTTP_401_UNAUTHORIZED, str(exc),
+                                   code="invalid_signature"), request_id)
     try:
         events: Sequence[FeedbackReceived] = (
             _FeedbackBatchIn.model_validate_json(body).events if batch
             else [_FeedbackIn.model_validate_json(body)])
     except ValidationError as exc:
-        return _invalid(exc)
+        return _error(validation_error(exc.errors(include_url=False, include_input=False),
+                                       status_code=status.HTTP_422_UNPROCESSABLE_CONTENT),
+                      request_id)
     if len(events) > settings.feedback_batch_max:
-        return _error(status.HTTP_413_CONTENT_TOO_LARGE,
-                      f"batch of {len(events)} events exceeds {settings.feedback_batch_max}")
+        return _error(ApiError(status.HTTP_413_CONTENT_TOO_LARGE,
+                               f"batch of {len(events)} events exceeds "
+                               f"{settings.feedback_batch_max}", param="events",
+                               code="batch_too_large"), request_id)
     try:
         duplicates = await intake(services).accept(events)
     except FeedbackLogUnavailable as exc:
-        return _error(status.HTTP_503_SERVICE_UNAVAILABLE,
-                      f"feedback log unavailable, retry: {exc}")
+        return _error(ApiError(status.HTTP_503_SERVICE_UNAVAILABLE,
+                               f"feedback log unavailable, retry: {exc}"), request_id)
     repeated = sum(duplicates)
     services.counters.feedback_duplicates += repeated
     services.counters.feedback_accepted += len(events) - repeated
@@ -125,18 +129,38 @@ async def handle(services: Services, body: bytes, signature: str | None, *,
 
 async def _respond(request: Request, *, batch: bool) -> Response:
     reply = await handle(request.app.state.services, await request.body(),
-                         request.headers.get(SIGNATURE_HEADER), batch=batch)
+                         request.headers.get(SIGNATURE_HEADER), batch=batch,
+                         request_id=request_id_of(request))
     return Response(reply.body, reply.status, media_type="application/json")
 
 
+BODIES = (FeedbackRequest, FeedbackBatchRequest)  # app.main adds them to the components
+
+
+def _documented(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` describing the JSON body `handle` parses from the raw bytes (it must
+    see them unparsed to check the signature), and the signature header."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "parameters": [{"name": SIGNATURE_HEADER, "in": "header", "required": False,
+                            "schema": {"type": "string"},
+                            "description": "t=<unix seconds>,v1=<hex HMAC-SHA256 of "
+                                           "'<t>.<body>'>; required when secrets are set"}]}
+
+
+_ERRORS = error_responses(401, 422, 503)  # + 413, 500: app.main
+
+
 @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED,
-             response_model=FeedbackAccepted)
+             response_model=FeedbackAccepted, responses=_ERRORS,
+             openapi_extra=_documented(FeedbackRequest))
 async def post_feedback(request: Request) -> Response:
     return await _respond(request, batch=False)
 
 
 @router.post("/v1/feedback/batch", status_code=status.HTTP_202_ACCEPTED,
-             response_model=FeedbackBatchAccepted)
+             response_model=FeedbackBatchAccepted, responses=_ERRORS,
+             openapi_extra=_documented(FeedbackBatchRequest))
 async def post_feedback_batch(request: Request) -> Response:
     return await _respond(request, batch=True)
 
@@ -149,7 +173,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 class FeedbackFastPath:
     """ASGI middleware: answers the two webhook routes with `handle` before the app's other
     middleware, exception handlers and router (which cost several times the webhook's own
-    work); every other request passes through. Add it as the outermost user middleware."""
+    work); every other request passes through. Add it just inside `RequestGuard`."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -161,34 +185,26 @@ class FeedbackFastPath:
             return
         services: Services = scope["app"].state.services
         headers = dict(scope["headers"])
-        limit = services.settings.max_body_bytes
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            reply = _error(status.HTTP_413_CONTENT_TOO_LARGE,
-                           f"body of {int(declared)} bytes exceeds {limit}")
-        else:
-            body = await _read_body(receive, limit)
-            if body is None:  # the client went away
-                return
-            signature = headers.get(_SIGNATURE)
-            reply = await handle(services, body, signature.decode("latin-1")
-                                 if signature is not None else None, batch=batch)
+        body = await _read_body(receive)  # held to max_body_bytes by app/guard.py
+        if body is None:  # the client went away
+            return
+        signature = headers.get(_SIGNATURE)
+        reply = await handle(services, body, signature.decode("latin-1")
+                             if signature is not None else None, batch=batch,
+                             request_id=scope.get("state", {}).get("request_id"))
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [*_JSON_HEADERS,
                                 (b"content-length", str(len(reply.body)).encode())]})
         await send({"type": "http.response.body", "body": reply.body})
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body; past `limit` bytes it stops reading (`handle` answers 413)."""
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request body, or None when the client went away."""
     chunks: list[bytes] = []
-    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunk = message.get("body", b"")
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit or not message.get("more_body", False):
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
             return b"".join(chunks)

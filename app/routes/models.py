@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter
 
 from app.deps import ServicesDep
-from app.errors import OpenAIError
+from app.errors import ApiError, error_responses
 from app.openai_schemas import ModelCard, ModelList
 from app.routes.completions import SERVED_MODEL
 from app.services import Services
@@ -28,10 +28,10 @@ async def list_models(services: ServicesDep) -> ModelList:
     return ModelList(data=[model_card(services)])
 
 
-@router.get("/v1/models/{model}", response_model=ModelCard)
+@router.get("/v1/models/{model}", response_model=ModelCard, responses=error_responses(404))
 async def get_model(model: str, services: ServicesDep) -> ModelCard:
     card = model_card(services)
     if model not in (card.id, card.system_fingerprint):
-        raise OpenAIError(404, f"The model `{model}` does not exist", param="model",
-                          code="model_not_found")
+        raise ApiError(404, f"The model `{model}` does not exist", param="model",
+                       code="model_not_found")
     return card

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, status
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from app.deps import AdminDep, ServicesDep
+from app.errors import error_responses
 
 router = APIRouter(prefix="/admin/trainer", tags=["trainer"])
 
@@ -28,8 +29,12 @@ class TrainerCommandQueued(BaseModel):
 
 
 class TrainerCommandRequest(BaseModel):
-    requested_by: str = "admin"
-    reason: str = ""
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="", max_length=2000)
+
+
+class TrainerStatusOut(BaseModel):
+    trainer: dict[str, Any] | None  # None until a trainer has reported
 
 
 def trainer_status(services: Any) -> dict[str, Any] | None:
@@ -38,6 +43,9 @@ def trainer_status(services: Any) -> dict[str, Any] | None:
 
     row = read_status(ensure_control_tables(services.db))
     return None if row is None else row.model_dump(mode="json", exclude={"id"})
+
+
+_ERRORS = error_responses(401, 422)
 
 
 def _enqueue(services: Any, kind: str, body: TrainerCommandRequest | None
@@ -50,26 +58,29 @@ def _enqueue(services: Any, kind: str, body: TrainerCommandRequest | None
     return TrainerCommandQueued(command_id=command_id, kind=kind)
 
 
-@router.post("/pause", status_code=status.HTTP_202_ACCEPTED, response_model=TrainerCommandQueued)
+@router.post("/pause", status_code=status.HTTP_202_ACCEPTED,
+             response_model=TrainerCommandQueued, responses=_ERRORS)
 def pause(services: ServicesDep, _: AdminDep,
           body: TrainerCommandRequest | None = None) -> TrainerCommandQueued:
     return _enqueue(services, "pause", body)
 
 
 @router.post("/resume", status_code=status.HTTP_202_ACCEPTED,
-             response_model=TrainerCommandQueued)
+             response_model=TrainerCommandQueued,
+             responses=_ERRORS)
 def resume(services: ServicesDep, _: AdminDep,
            body: TrainerCommandRequest | None = None) -> TrainerCommandQueued:
     return _enqueue(services, "resume", body)
 
 
 @router.post("/release", status_code=status.HTTP_202_ACCEPTED,
-             response_model=TrainerCommandQueued)
+             response_model=TrainerCommandQueued,
+             responses=_ERRORS)
 def release(services: ServicesDep, _: AdminDep,
             body: TrainerCommandRequest | None = None) -> TrainerCommandQueued:
     return _enqueue(services, "release", body)
 
 
-@router.get("")
-def get_status(services: ServicesDep, _: AdminDep) -> dict[str, Any]:
-    return {"trainer": trainer_status(services)}
+@router.get("", response_model=TrainerStatusOut, responses=error_responses(401))
+def get_status(services: ServicesDep, _: AdminDep) -> TrainerStatusOut:
+    return TrainerStatusOut(trainer=trainer_status(services))

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from app.settings import Settings
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
 from ingest.events import GenerationLogged
 from ingest.log import read_all
+from tests.conftest import stack_settings
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
@@ -25,12 +24,8 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def stack(broker: EmbeddedBroker, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[RunningStack]:
-    suffix = uuid.uuid4().hex[:8]
-    topics = Settings().topics.model_copy(update={"sessions": f"sessions-{suffix}",
-                                                  "feedback": f"feedback-{suffix}"})
-    settings = Settings(data_dir=tmp_path_factory.mktemp("api"), kafka_bootstrap=broker.bootstrap,
-                        topics=topics, model_dir=model_dir, port=0, max_body_bytes=16384,
-                        engine={"max_new_tokens_cap": 64})
+    settings = stack_settings(broker, model_dir, tmp_path_factory.mktemp("api"),
+                              max_body_bytes=16384, engine={"max_new_tokens_cap": 64})
     with running_stack(settings) as running:
         yield running
 
@@ -60,7 +55,7 @@ def test_bad_requests_get_openai_errors(http: httpx.Client, body: dict, status: 
     r = http.post(CHAT, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
     assert (error["param"], error["code"]) == (param, code)
     assert error["message"]
 

@@ -150,14 +150,14 @@ def test_a_session_verdict_is_keyed_and_partitioned_by_its_session(
 def test_a_generation_or_a_session_not_both_nor_neither(
         stack: RunningStack, http: httpx.Client, subject: dict[str, str], word: str) -> None:
     e = {"event_id": f"e-{uuid.uuid4().hex}", "kind": "accept", **subject}
-    for path, payload, loc in (("/v1/feedback", e, ["body"]),
-                               ("/v1/feedback/batch", {"events": [event(), e]},
-                                ["body", "events", 1])):
+    for path, payload, param in (("/v1/feedback", e, None),
+                                 ("/v1/feedback/batch", {"events": [event(), e]}, "events.1")):
         r = post(http, path, payload)
         assert r.status_code == 422, r.text
-        [detail] = r.json()["detail"]
-        assert detail["loc"] == loc, r.text
-        assert "exactly one of generation_id" in detail["msg"] and f"not {word}" in detail["msg"]
+        error = r.json()["error"]
+        assert error["param"] == param, r.text
+        assert "exactly one of generation_id" in error["message"], r.text
+        assert f"not {word}" in error["message"], r.text
     assert produced_ids(stack, {str(e["event_id"])}) == []
 
 
@@ -195,8 +195,8 @@ def test_malformed_is_422_naming_the_field(stack: RunningStack, http: httpx.Clie
     before = len(produced(stack))
     r = post(http, path, payload)
     assert r.status_code == 422, r.text
-    assert any(field in ".".join(map(str, d["loc"])) or field in d["msg"]
-               for d in r.json()["detail"]), r.text
+    error = r.json()["error"]
+    assert field in (error["param"] or "") or field in error["message"], r.text
     assert len(produced(stack)) == before
 
 

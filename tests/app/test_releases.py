@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
+from tests.app.test_release_pipeline import make_checkpoint
 
 
-def test_release_routes_need_the_token_and_answer_with_reasons(settings: Settings) -> None:
+def test_release_routes_need_the_token_and_answer_with_reasons(settings: Settings,
+                                                               model_dir: Path) -> None:
     settings = settings.model_copy(update={"release": settings.release.model_copy(
         update={"follow": False})})
     admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
@@ -19,6 +23,10 @@ def test_release_routes_need_the_token_and_answer_with_reasons(settings: Setting
         assert http.get("/admin/releases", headers=admin).json() == []
         r = http.get("/admin/releases/3", headers=admin)
         assert r.status_code == 404 and "v3" in r.text
+        r = http.post("/admin/releases", headers=admin, json={"reason": "test"})
+        assert r.status_code == 404 and "no candidate checkpoint" in r.text  # none written yet
+        settings.resolved_candidate_path.parent.mkdir(parents=True)
+        make_checkpoint(model_dir, settings.resolved_candidate_path, scale=1e-3, seed=1)
         r = http.post("/admin/releases", headers=admin, json={"reason": "test"})
         assert r.status_code == 202, r.text
         assert r.json()["version"] == 1 and r.json()["task_id"]

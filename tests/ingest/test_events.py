@@ -183,3 +183,38 @@ def test_schema_snapshot() -> None:
 if __name__ == "__main__":
     SNAPSHOT.write_text(json.dumps(current_schemas(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {SNAPSHOT}")
+
+
+# ---- property-based: packed arrays from the wire ------------------------------------------
+import base64  # noqa: E402
+
+from hypothesis import example, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra import numpy as hnp  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+_DTYPES = st.sampled_from(["int16", "int32", "float32"])
+
+
+@given(dtype=_DTYPES, data=st.data())
+def test_any_array_round_trips_exactly(dtype: str, data: st.DataObject) -> None:
+    array = data.draw(hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0,
+                                                         max_side=5)))
+    packed = PackedArray.model_validate_json(PackedArray.pack(array, dtype).model_dump_json())
+    assert packed.unpack().tobytes() == array.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    assert packed.unpack().shape == array.shape
+
+
+@given(dtype=st.one_of(_DTYPES, st.text(max_size=8)),
+       shape=st.lists(st.integers(min_value=-(2**70), max_value=2**70), max_size=4),
+       payload=st.one_of(st.text(max_size=40), st.binary(max_size=30).map(
+           lambda b: base64.b64encode(b).decode())))
+@example(dtype="int16", shape=[-1, -2], payload="AAAAAA==")  # passed, then failed to unpack
+@example(dtype="int16", shape=[3], payload="!!!!!!!!")  # as was this (not base64)
+def test_any_wire_value_is_an_array_or_a_validation_error(dtype: str, shape: list[int],
+                                                           payload: str) -> None:
+    try:
+        packed = PackedArray.model_validate({"dtype": dtype, "shape": shape, "data": payload})
+    except ValidationError:
+        return
+    assert packed.unpack().shape == tuple(shape)

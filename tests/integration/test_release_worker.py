@@ -4,10 +4,6 @@ triggers one every `release.interval_s`."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ingest.broker import free_port
 from tests.app.test_release_pipeline import make_checkpoint
+from tests.conftest import flywheel_up
 
 pytestmark = pytest.mark.integration
 TOKEN = "release-worker-test-token"
@@ -34,42 +30,25 @@ def wait_for_release(http: httpx.Client, what: str, predicate: Any,
 
 
 def test_flywheel_up_builds_admin_and_beat_releases(tmp_path: Path, model_dir: Path) -> None:
-    port = free_port()
     ckpt = tmp_path / "ckpt.safetensors"
     make_checkpoint(model_dir, ckpt, scale=1e-3, seed=11)
-    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir), "FLYWHEEL_ADMIN_TOKEN": TOKEN,
-           "FLYWHEEL_RELEASE__CANDIDATE_PATH": str(ckpt), "FLYWHEEL_RELEASE__INTERVAL_S": "20",
+    env = {"FLYWHEEL_ADMIN_TOKEN": TOKEN, "FLYWHEEL_RELEASE__CANDIDATE_PATH": str(ckpt),
+           "FLYWHEEL_RELEASE__INTERVAL_S": "20",
            "FLYWHEEL_RELEASE__EVAL": '{"kind": "heldout_loss", "sequences": 2, "seq_len": 64}'}
-    env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
-    env.pop("FLYWHEEL_CELERY_BROKER_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "up", "--port", str(port),
-                             "--data-dir", str(tmp_path / "state")], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        line, deadline = "", time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if line.startswith("READY"):
-                break
-        assert line.strip() == f"READY http://127.0.0.1:{port}"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                          headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-            r = http.post("/admin/releases", json={"reason": "admin trigger"})
-            assert r.status_code == 202, r.text
-            version = r.json()["version"]
-            row = wait_for_release(http, f"v{version} published",
-                                   lambda row: row["version"] == version
-                                   and row["status"] != "candidate")
-            assert (row["status"], row["requested_by"]) == ("published", "admin"), row
-            replica = wait_for_release(  # the app's replica swaps to it as well
-                http, "the replica", lambda _: http.get("/admin/status").json()["replica"]
-                ["version"] == version)
-            assert replica
-            beat = wait_for_release(http, "a beat release",
-                                    lambda row: row["requested_by"] == "beat"
-                                    and row["status"] != "candidate")
-            assert beat["status"] == "published" and beat["version"] > version, beat
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out[-3000:]
+    with flywheel_up(tmp_path / "state", model_dir, **env) as (url, _), httpx.Client(
+            base_url=url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = http.post("/admin/releases", json={"reason": "admin trigger"})
+        assert r.status_code == 202, r.text
+        version = r.json()["version"]
+        row = wait_for_release(http, f"v{version} published",
+                               lambda row: row["version"] == version
+                               and row["status"] != "candidate")
+        assert (row["status"], row["requested_by"]) == ("published", "admin"), row
+        replica = wait_for_release(  # the app's replica swaps to it as well
+            http, "the replica", lambda _: http.get("/admin/status").json()["replica"]
+            ["version"] == version)
+        assert replica
+        beat = wait_for_release(http, "a beat release",
+                                lambda row: row["requested_by"] == "beat"
+                                and row["status"] != "candidate")
+        assert beat["status"] == "published" and beat["version"] > version, beat

@@ -95,7 +95,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
         weights = load_model(model_dir).state_dict()
         shas = {}
         for i in range(5):  # built by the Celery worker the app runs in the embedded profile
-            ckpt = tmp_path / f"ckpt{i}.safetensors"
+            ckpt = settings.data_dir / f"ckpt{i}.safetensors"  # releases come from under it
             weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
             r = http.post("/admin/releases", json={"candidate": str(ckpt),
                                                    "reason": f"test {i}"})
@@ -121,7 +121,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
         # A delta with one flipped byte: refused, and the replica keeps serving v{back}.
         bad = make_checkpoint(model_dir, tmp_path / "bad.safetensors", scale=1e-3, seed=99,
                               base=weights)
-        served = _weights_of(tmp_path, back)  # v{n} is checkpoint n-1
+        served = _weights_of(settings.data_dir, back)  # v{n} is checkpoint n-1
         root = stack.settings.resolved_artifact_store_url
         encoded = encode_delta(served, bad, base_version=back, target_version=900)
         key = build_artifact_store(artifact_store_config(root)).write_release(
@@ -151,7 +151,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
           f"{[round(s['copy_s'] * 1000, 2) for s in [status['last_swap']]]}")
 
 
-def _weights_of(tmp_path: Path, version: int) -> dict:
+def _weights_of(data_dir: Path, version: int) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(str(tmp_path / f"ckpt{version - 1}.safetensors"))
+    return load_file(str(data_dir / f"ckpt{version - 1}.safetensors"))

@@ -106,3 +106,34 @@ def test_observations_are_truncated(add_3: ToolWorkspace) -> None:
     observation = add_3.step("<tool>read_file big.txt</tool>").observation
     assert len(observation) == 60 and "characters cut" in observation
     assert truncate("short", 60) == "short"
+
+
+# ---- property-based: any model text -------------------------------------------------------
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PIECES = st.sampled_from(["<tool>", "</tool>", "read_file", "write_file", "apply_edit",
+                           "run_tests", "finish", " ", "\n", "solution.py", "<<<", "===",
+                           ">>>", "x", "\t", "é"])
+_MODEL_TEXT = st.one_of(st.text(max_size=300), st.lists(_PIECES, max_size=30).map("".join))
+
+
+@given(text=_MODEL_TEXT)
+def test_the_parser_answers_any_model_text(text: str) -> None:
+    call = parse_tool_call(text)
+    assert isinstance(call, ToolCall | ToolParseError)
+    if isinstance(call, ToolCall):
+        assert call.name in ("read_file", "write_file", "apply_edit", "run_tests", "finish")
+        assert (call.path is None) == (call.name in ("run_tests", "finish"))
+
+
+_PATH = st.text(st.characters(blacklist_categories=["Z", "C"]), min_size=1, max_size=30)
+_BODY = st.text(max_size=200).filter(lambda b: "</tool>" not in b)
+
+
+@given(name=st.sampled_from(["read_file", "write_file", "apply_edit"]), path=_PATH,
+       body=_BODY, before=st.text(max_size=50).filter(lambda t: "<tool>" not in t))
+def test_a_well_formed_call_parses_back_to_itself(name: str, path: str, body: str,
+                                                  before: str) -> None:
+    assert parse_tool_call(f"{before}<tool>{name} {path}\n{body}</tool>") == ToolCall(
+        name=name, path=path, body=body)
