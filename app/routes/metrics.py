@@ -10,6 +10,8 @@ from app.metrics import CONTENT_TYPE
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text exposition format",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(services: ServicesDep) -> Response:
     return Response(services.metrics.render(), media_type=CONTENT_TYPE)
