@@ -132,6 +132,28 @@ class Plan:
 
 
 # ---- planning: tokenization and limits ---------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def max_token_bytes(tokenizer: Any) -> int:
+    """A bound on the UTF-8 bytes one token stands for: its longest vocabulary piece, at one
+    byte a character for a byte-level BPE (each character stands for a byte), else at 4."""
+    pieces = tokenizer.get_vocab()
+    table = _byte_decoder()
+    byte_level = all(c in table for piece in pieces for c in piece)
+    return (1 if byte_level else 4) * max(len(piece) for piece in pieces)
+
+
+def refuse_unfittable(services: Services, texts: list[str], param: str) -> None:
+    """Refuse text that cannot fit the context whatever it tokenizes to (each token covers at
+    most `max_token_bytes`) before tokenizing it: near the body limit that would hold the
+    event loop for half a second, delaying every other request."""
+    size = sum(len(t.encode()) for t in texts)
+    least = size // max_token_bytes(services.tokenizer)
+    if least >= services.engine.max_context:
+        raise ApiError(400, f"This model's maximum context length is "
+                       f"{services.engine.max_context} tokens; this prompt of {size} bytes is "
+                       f"at least {least} tokens.", param=param, code="context_length_exceeded")
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
@@ -455,6 +477,7 @@ _RESPONSES = {200: _STREAMED, **error_responses(400, 404, 503)}  # + 413, 500: a
              responses=_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
                            request: Request, response: Response) -> Any:
+    refuse_unfittable(services, [m.text() for m in body.messages], "messages")
     prompt = chat_prompt_ids(services.tokenizer, body.messages)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
@@ -469,6 +492,9 @@ async def completions(body: CompletionRequest, services: ServicesDep, request: R
                       response: Response) -> Any:
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
+    for text in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
+        if isinstance(text, str):  # each prompt is its own generation: each must fit
+            refuse_unfittable(services, [text], "prompt")
     prompts = completion_prompts(services.tokenizer, body.prompt)
     if not prompts:
         raise ApiError(400, "the prompt is empty", param="prompt")

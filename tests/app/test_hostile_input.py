@@ -3,6 +3,7 @@ one error shape, never a 5xx, a hang or a whole read of an oversized body."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import socket
@@ -10,13 +11,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from app.main import create_app
+from app.routes.completions import max_token_bytes
 from app.settings import Settings
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
@@ -201,3 +208,31 @@ def test_the_document_describes_every_body_and_error(stack: RunningStack) -> Non
                 schema = answer["content"]["application/json"]["schema"]
                 assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (
                     method, path, status)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(
+        broker: EmbeddedBroker, model_dir: Path, tmp_path: Path) -> None:
+    """Tokenizing a 1 MB prompt holds the event loop ~0.5 s; its size alone shows it cannot
+    fit, so it is refused from that (the message gives the bound, not a token count)."""
+    settings = stack_settings(broker, model_dir, tmp_path, max_body_bytes=2_000_000)
+    with running_stack(settings) as running, httpx.Client(base_url=running.base_url,
+                                                           timeout=20) as client:
+        for url, body in ((CHAT, {"messages": [{"role": "user", "content": "x" * 1_000_000}]}),
+                          ("/v1/completions", {"prompt": ["hi", "y" * 1_000_000]})):
+            error = error_of(client.post(url, json=body), 400)
+            assert error["code"] == "context_length_exceeded"
+            assert "at least" in error["message"], error
+
+
+@functools.cache
+def tokenizer_in(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@given(text=st.one_of(st.text(max_size=3000), st.sampled_from(["#" * 80, " " * 3000, "é" * 999])))
+@examples(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_no_token_stands_for_more_bytes_than_the_bound(model_dir: Path, text: str) -> None:
+    tokenizer = tokenizer_in(model_dir)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(text.encode()) <= len(ids) * max_token_bytes(tokenizer)
