@@ -12,7 +12,6 @@ A client that goes away cancels its generations (logged with finish_reason "canc
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -45,6 +44,7 @@ from app.openai_schemas import (
     Usage,
 )
 from app.services import Services
+from app.token_bytes import max_token_bytes, token_bytes, token_text
 from ingest.events import GenerationLogged, PackedArray, SamplingParams
 from serving.engine import (
     EngineClosedError,
@@ -132,16 +132,6 @@ class Plan:
 
 
 # ---- planning: tokenization and limits ---------------------------------------------------
-@functools.lru_cache(maxsize=4)
-def max_token_bytes(tokenizer: Any) -> int:
-    """A bound on the UTF-8 bytes one token stands for: its longest vocabulary piece, at one
-    byte a character for a byte-level BPE (each character stands for a byte), else at 4."""
-    pieces = tokenizer.get_vocab()
-    table = _byte_decoder()
-    byte_level = all(c in table for piece in pieces for c in piece)
-    return (1 if byte_level else 4) * max(len(piece) for piece in pieces)
-
-
 def refuse_unfittable(services: Services, texts: list[str], param: str) -> None:
     """Refuse text that cannot fit the context whatever it tokenizes to (each token covers at
     most `max_token_bytes`) before tokenizing it: near the body limit that would hold the
@@ -318,49 +308,28 @@ async def run_to_end(services: Services, p: Plan, request: Request) -> None:
 
 
 # ---- response shapes ----------------------------------------------------------------------
-def _token_text(tokenizer: Any, token: int) -> str:
-    return str(tokenizer.decode([token]))
-
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2 byte-level BPE's printable stand-in character -> the byte it stands for."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
-
-
-def _token_bytes(tokenizer: Any, token: int, text: str) -> list[int]:
-    """The token's exact bytes (a byte-level token may hold part of a UTF-8 character)."""
-    piece = str(tokenizer.convert_ids_to_tokens(token))
-    table = _byte_decoder()
-    if token not in tokenizer.all_special_ids and piece and all(c in table for c in piece):
-        return [table[c] for c in piece]
-    return list(text.encode())
-
-
 def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float],
                    tops: list[TopLogprobs]) -> ChoiceLogprobs:
     content = []
     for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-        text = _token_text(tokenizer, token)
-        alternatives = [TopLogprob(token=(t := _token_text(tokenizer, a)), logprob=alp,
-                                   bytes=_token_bytes(tokenizer, a, t))
+        text = token_text(tokenizer, token)
+        alternatives = [TopLogprob(token=(t := token_text(tokenizer, a)), logprob=alp,
+                                   bytes=token_bytes(tokenizer, a, t))
                         for a, alp in (tops[i] if i < len(tops) else [])]
         content.append(TokenLogprob(token=text, logprob=lp,
-                                    bytes=_token_bytes(tokenizer, token, text),
+                                    bytes=token_bytes(tokenizer, token, text),
                                     top_logprobs=alternatives))
     return ChoiceLogprobs(content=content)
 
 
 def _completion_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float],
                          tops: list[TopLogprobs], offset: int = 0) -> CompletionLogprobs:
-    texts = [_token_text(tokenizer, t) for t in tokens]
+    texts = [token_text(tokenizer, t) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    top = [{_token_text(tokenizer, a): alp for a, alp in (tops[i] if i < len(tops) else [])}
+    top = [{token_text(tokenizer, a): alp for a, alp in (tops[i] if i < len(tops) else [])}
            for i in range(len(tokens))]
     return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), top_logprobs=top,
                               text_offset=offsets)

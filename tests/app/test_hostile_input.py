@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from app.main import create_app
-from app.routes.completions import max_token_bytes
 from app.settings import Settings
 from app.stack import RunningStack, running_stack
+from app.token_bytes import max_token_bytes
 from ingest.broker import EmbeddedBroker
 from tests.conftest import stack_settings
 
