@@ -2,12 +2,18 @@
 
 A checkpoint is one directory written whole before anything points at it:
 
-    <root>/ckpt-00000042/{weights.pt, optimizer.pt, state.json, ledger.jsonl}
+    <root>/ckpt-00000042/tensors/    weights and optimizer state, torch.distributed.checkpoint
+    <root>/ckpt-00000042/{state.json, ledger.jsonl}
     <root>/LATEST                    -> "ckpt-00000042"
     <root>/refs/<sha256>.pt          the KL reference weights, content-addressed
 
-`save` writes into `<root>/.tmp-…`, fsyncs every file and the directory, renames it to its
-final name, then replaces `LATEST` (write, fsync, rename, fsync the root). The rename of
+The tensors are a torch.distributed.checkpoint (DCP) directory: every rank of a sharded
+trainer writes its own shards (one file per rank) and the leader the metadata, so no rank
+gathers the model to save it, and DCP reshards on load: a checkpoint written at one world
+size resumes at another. One process writes the same format. `save` writes into
+`<root>/.tmp-…`, fsyncs every file and the directory, renames it to its final name (the
+leader, after every rank's shards are durable), then replaces `LATEST` (write, fsync, rename,
+fsync the root). The rename of
 `LATEST` is the commit point: a kill before it leaves the previous checkpoint in force, a kill
 after it leaves the new one; nothing in between is ever read. Kafka offsets are committed only
 after `save` returns, and the checkpoint holds the offsets, so on restart the consumer seeks
@@ -22,12 +28,17 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+
+from trainer.distributed import World
 
 POINTER = "LATEST"
 
@@ -86,13 +97,22 @@ class Ledger:
 
 @dataclass
 class Checkpoint:
-    """What `CheckpointStore.load` returns: everything needed to resume bit for bit."""
+    """What `CheckpointStore.load` returns: the state and ledger, and where the tensors are
+    (`CheckpointStore.load_tensors` reads them into a state dict of the caller's layout)."""
 
     name: str
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    path: Path
     state: dict[str, Any]
     ledger: Ledger
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process: it is
+    what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _fsync_path(path: Path) -> None:
@@ -110,7 +130,7 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _torch_save_durable(obj: Any, path: Path) -> None:
+def _torch_save_durable(obj: Any, path: Path) -> None:  # the reference weights
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -132,24 +152,35 @@ class CheckpointStore:
             return None
         return pointer.read_text().strip() or None
 
-    def save(self, *, sequence: int, weights: Mapping[str, torch.Tensor],
-             optimizer: Mapping[str, Any], state: Mapping[str, Any], ledger: Ledger) -> str:
-        """Write checkpoint number `sequence` and make it the latest; returns its name."""
+    def save(self, *, sequence: int, tensors: Mapping[str, Any], state: Mapping[str, Any],
+             ledger: Ledger, world: World | None = None) -> str:
+        """Write checkpoint number `sequence` and make it the latest; returns its name.
+
+        Every rank calls it with its own shards in `tensors` (a state dict: tensors, DTensors,
+        nested dicts); the leader's `state` and `ledger` are the ones written."""
+        world = world or World()
         name = f"ckpt-{sequence:08d}"
-        tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        _torch_save_durable(dict(weights), tmp / "weights.pt")
-        _torch_save_durable(dict(optimizer), tmp / "optimizer.pt")
-        _write_durable(tmp / "state.json", json.dumps(state, sort_keys=True).encode())
-        _write_durable(tmp / "ledger.jsonl", ledger.dumps().encode())
-        _fsync_path(tmp)
-        final = self.root / name
-        if final.exists():  # left by a kill between its rename and the pointer: never live
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_path(self.root)
-        self._point_to(name)
-        self._collect_garbage(keep_name=name)
+        tmp = self.root / f".tmp-{name}"
+        if world.leader:
+            shutil.rmtree(tmp, ignore_errors=True)  # a kill's leftover of this very number
+            tmp.mkdir()
+        world.barrier()
+        with _one_process_quietly():
+            dcp.save(dict(tensors), no_dist=not world.sharded,
+                     storage_writer=dcp.FileSystemWriter(tmp / "tensors", sync_files=True))
+        if world.leader:  # DCP returns on the leader once every rank's shards are written
+            _write_durable(tmp / "state.json", json.dumps(state, sort_keys=True).encode())
+            _write_durable(tmp / "ledger.jsonl", ledger.dumps().encode())
+            _fsync_path(tmp / "tensors")
+            _fsync_path(tmp)
+            final = self.root / name
+            if final.exists():  # left by a kill between its rename and the pointer: not live
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_path(self.root)
+            self._point_to(name)
+            self._collect_garbage(keep_name=name)
+        world.barrier()
         return name
 
     def _point_to(self, name: str) -> None:
@@ -173,14 +204,22 @@ class CheckpointStore:
             return None
         path = self.root / name
         try:
-            weights = torch.load(path / "weights.pt", weights_only=True)
-            optimizer = torch.load(path / "optimizer.pt", weights_only=True)
             state = json.loads((path / "state.json").read_text())
             ledger = Ledger.loads((path / "ledger.jsonl").read_text())
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
-        return Checkpoint(name=name, weights=weights, optimizer=optimizer, state=state,
-                          ledger=ledger)
+        return Checkpoint(name=name, path=path, state=state, ledger=ledger)
+
+    @staticmethod
+    def load_tensors(ckpt: Checkpoint, into: dict[str, Any]) -> None:
+        """Fill the state dict `into` in place (its keys, shapes and sharding say what to read:
+        this rank's shards, at any world size)."""
+        try:
+            with _one_process_quietly():
+                dcp.load(into, storage_reader=dcp.FileSystemReader(ckpt.path / "tensors"),
+                         no_dist=not torch.distributed.is_initialized())
+        except (OSError, ValueError, RuntimeError, dcp.CheckpointException) as exc:
+            raise CheckpointError(f"{ckpt.path / 'tensors'}: {exc}") from exc
 
     # The KL reference (the served release's weights): written once per release, by sha256.
     def save_reference(self, sha256: str, weights: Mapping[str, torch.Tensor]) -> Path:

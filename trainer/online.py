@@ -12,13 +12,20 @@ records whose experience ids are in the ledger are skipped (a session verdict yi
 several experiences under one feedback event id). The loop around
 the trainer (consumer, batching, control, releases) is trainer/online_loop.py.
 
-    flywheel train-online --data-dir data
+Over N ranks (trainer/distributed.py) the model and the optimizer are sharded with FSDP2.
+The leader (rank 0) alone reads Kafka and runs the loop; each collective phase it enters
+(`step`, `checkpoint`, `export_candidate`, `adopt_reference`) it first announces, with its
+arguments, and the other ranks, in `follow`, enter the same phase. Every rank holds the whole
+batch, so the advantages and baselines are the same everywhere; rank r trains rows r, r+N, …,
+its loss scaled so that FSDP's mean of the ranks' gradients is the gradient of the token mean
+over the whole batch: the same step as one process.
+
+    flywheel train-online --data-dir data [--nproc N]
 """
 
 from __future__ import annotations
 
-import abc
-import hashlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -31,95 +38,15 @@ import torch
 from ingest.events import ExperienceReady
 from kernels.weights import state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
+from trainer.distributed import World, full_state_dict, grad_norm, load_full_state_dict, shard
+from trainer.online_baseline import bucket_key, build_baseline
 from trainer.online_batch import Row, pack_rows
-from trainer.online_config import BaselineSettings, BatchMeanBaseline, OnlineTrainerSettings
-from trainer.online_loss import (
-    advantages,
-    clipped_online_loss,
-    leave_one_out_baseline,
-    online_loss,
-    running_mean_update,
-)
+from trainer.online_config import OnlineTrainerSettings
+from trainer.online_loss import OnlineLoss, advantages, clipped_online_loss, online_loss
 from trainer.policy import TokenBatch, sequence_logprobs
 
 log = logging.getLogger(__name__)
 Offsets = dict[str, int]  # "topic:partition" -> next offset to read
-
-
-# ---- baselines ---------------------------------------------------------------------------
-class Baseline(abc.ABC):
-    """b_i for each row of a batch; `update` folds the batch in after the step."""
-
-    @abc.abstractmethod
-    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor: ...
-
-    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:  # noqa: B027
-        """Stateless baselines (the batch mean) keep nothing across batches."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
-        """Nothing to restore for a stateless baseline."""
-
-
-class BatchMean(Baseline):
-    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
-        return leave_one_out_baseline(rewards)
-
-
-class BucketMean(Baseline):
-    """Running mean reward per context bucket; unseen buckets use the global running mean."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.buckets: dict[str, list[float]] = {}  # key -> [mean, count]
-        self.overall = [0.0, 0.0]
-
-    def values(self, keys: Sequence[str], rewards: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([self.buckets.get(k, self.overall)[0] for k in keys],
-                            dtype=rewards.dtype)
-
-    def update(self, keys: Sequence[str], rewards: torch.Tensor) -> None:
-        for key, reward in zip(keys, rewards.tolist(), strict=True):
-            mean, count = self.buckets.get(key, [0.0, 0.0])
-            self.buckets[key] = list(running_mean_update(mean, int(count), reward, self.decay))
-            self.overall = list(running_mean_update(self.overall[0], int(self.overall[1]),
-                                                    reward, self.decay))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"buckets": self.buckets, "overall": self.overall}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buckets = {k: list(v) for k, v in state.get("buckets", {}).items()}
-        self.overall = list(state.get("overall", [0.0, 0.0]))
-
-
-def build_baseline(settings: BaselineSettings) -> Baseline:
-    if isinstance(settings, BatchMeanBaseline):
-        return BatchMean()
-    return BucketMean(settings.decay)
-
-
-def conversation_opening(prompt: Sequence[int], assistant_header: Sequence[int]) -> list[int]:
-    """The prompt up to its first assistant turn (the whole prompt if it has none): the system
-    and user messages a conversation opened with. Every turn of an agent's session on one
-    task shares it, so its bucket's running mean is that task's baseline."""
-    ids, header = list(prompt), list(assistant_header)
-    for start in range(len(ids) - len(header) + 1):
-        if ids[start:start + len(header)] == header:
-            return ids[:start]
-    return ids
-
-
-def bucket_key(experience: ExperienceReady, buckets: int,
-               assistant_header: Sequence[int] = ()) -> str:
-    """The context bucket of an experience: a hash of its conversation's opening."""
-    prompt = experience.prompt_token_ids.unpack()
-    opening = conversation_opening(prompt.tolist(), assistant_header) if assistant_header \
-        else prompt.tolist()
-    digest = hashlib.sha256(str(opening).encode()).digest()
-    return str(int.from_bytes(digest[:8], "little") % buckets)
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -146,7 +73,7 @@ class ReleaseOutcome:
 
 
 class ReleaseSink(Protocol):
-    """The release pipeline of trainer/release.py, as the trainer sees it."""
+    """The release pipeline of app/releases.py, as the trainer sees it."""
 
     def release(self, candidate: Path, provenance: dict[str, Any], *,
                 requested_by: str, reason: str) -> ReleaseOutcome: ...
@@ -162,28 +89,34 @@ def configure_torch(cfg: OnlineTrainerSettings) -> None:
 
 
 class OnlineTrainer:
-    """One policy, its optimizer, the KL reference, the baseline, the ledger; named phases."""
+    """One policy, its optimizer, the KL reference, the baseline, the ledger; named phases.
+
+    `model` and `reference` come sharded (or whole in the one-process world) and on
+    `world.device`; `reference_sha256` is the sha256 of the reference's whole weights."""
 
     def __init__(self, cfg: OnlineTrainerSettings, model: Any, reference: Any, pad_id: int,
-                 store: CheckpointStore, *, assistant_header: Sequence[int] = ()) -> None:
+                 store: CheckpointStore, *, assistant_header: Sequence[int] = (),
+                 world: World | None = None, reference_sha256: str | None = None) -> None:
         self.cfg = cfg
+        self.world = world or World()
         self.assistant_header = list(assistant_header)  # where a conversation's opening ends
         self.model = model.train()
         self.reference = reference.eval().requires_grad_(False)
         self.pad_id = pad_id
         self.store = store
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                           weight_decay=cfg.weight_decay)
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.baseline = build_baseline(cfg.baseline)
-        self.state = TrainerState()
+        self.state = TrainerState(reference_sha256=reference_sha256)
         self.ledger = Ledger()
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
     def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path, *,
-                batch_invariant: bool = False) -> OnlineTrainer:
-        """Build from the base model, then load the latest checkpoint under `root` if any;
-        `batch_invariant`: the same kernels as a serving engine in that mode."""
+                batch_invariant: bool = False, world: World | None = None) -> OnlineTrainer:
+        """Build from the base model (sharded over `world`), then load the latest checkpoint
+        under `root` if any; `batch_invariant`: the same kernels as a serving engine in that
+        mode."""
         import copy
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,6 +124,7 @@ class OnlineTrainer:
 
         from simulate.harness import ChatTokens
 
+        world = world or World()
         hf_logging.disable_progress_bar()
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -199,42 +133,65 @@ class OnlineTrainer:
             from kernels.batch_invariant import enable_batch_invariant
 
             enable_batch_invariant(model)
+        base_sha = state_dict_sha256(model.state_dict())  # whole, before it is sharded
+        model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
         reference = copy.deepcopy(model)
-        pad_id = int(model.config.pad_token_id)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
-        trainer = cls(cfg, model, reference, pad_id, store, assistant_header=header)
+        trainer = cls(cfg, shard(model, world), shard(reference, world),
+                      int(model.config.pad_token_id), store, assistant_header=header,
+                      world=world, reference_sha256=base_sha)
         trainer.load_latest()
         return trainer
 
     def load_latest(self) -> bool:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         ckpt = self.store.load()
         if ckpt is None:
-            self.state.reference_sha256 = state_dict_sha256(self.reference.state_dict())
             return False
-        self.model.load_state_dict(ckpt.weights)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        base_sha = self.state.reference_sha256
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        self.store.load_tensors(ckpt, {"weights": weights, "optimizer": optimizer})  # in place
+        set_state_dict(self.model, self.optimizer, model_state_dict=weights,
+                       optim_state_dict=optimizer)
         self.state = TrainerState(**ckpt.state)
         self.baseline.load_state_dict(self.state.baseline)
         self.ledger = ckpt.ledger
-        if self.state.reference_sha256 != state_dict_sha256(self.reference.state_dict()):
-            self.reference.load_state_dict(self.store.load_reference(
-                self.state.reference_sha256 or ""))
+        if self.state.reference_sha256 != base_sha:
+            load_full_state_dict(self.reference, self.store.load_reference(
+                self.state.reference_sha256 or ""), self.world)
         log.info("resumed %s at step %d", ckpt.name, self.state.step)
         return True
+
+    # -- the leader's phases, mirrored on every rank ----------------------------------------
+    def _announce(self, phase: str, *args: Any) -> None:
+        """On the leader of a sharded world: tell the other ranks which phase comes next."""
+        if self.world.sharded and self.world.leader:
+            self.world.broadcast((phase, args))
+
+    def follow(self) -> None:
+        """A rank other than the leader: enter each phase the leader announces, until
+        `finish`. A leader that died leaves this rank in a collective that times out."""
+        while True:
+            phase, args = self.world.broadcast()
+            if phase == "finish":
+                return
+            if phase != "tick":
+                getattr(self, phase)(*args)
+
+    def tick(self) -> None:
+        """Nothing to do this round; tells the other ranks the leader is alive."""
+        self._announce("tick")
+
+    def finish(self) -> None:
+        self._announce("finish")
 
     # -- phases ------------------------------------------------------------------------------
     def logprobs(self, model: Any, batch: TokenBatch, rows: Sequence[Row]) -> torch.Tensor:
         """(B, T) logprobs of every token, per-row temperature, logged routes replayed."""
-        temps = [r.temperature for r in rows]
-        routes = self._routes(rows, batch.tokens.shape[1])
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        for temp in sorted(set(temps)):
-            picked = [i for i, t in enumerate(temps) if t == temp]
-            sub = batch if len(picked) == len(temps) else TokenBatch(
-                batch.tokens[picked], batch.attention_mask[picked], batch.loss_mask[picked])
-            with _maybe_replay(model, None if routes is None else routes[picked]):
-                out[picked] = sequence_logprobs(model, sub, temperature=temp)
-        return out
+        temps = torch.tensor([r.temperature for r in rows], device=batch.tokens.device)
+        with _maybe_replay(model, self._routes(rows, batch.tokens.shape[1])):
+            return sequence_logprobs(model, batch, temperature=temps)
 
     def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
         if not self.cfg.router_replay or any(r.routes is None for r in rows):
@@ -243,7 +200,13 @@ class OnlineTrainer:
 
         seqs = [torch.from_numpy(r.routes.unpack().copy())  # type: ignore[union-attr]
                 for r in rows]
-        return stack_routes(seqs, length)  # (B, T, L, K); last token and padding: NO_ROUTE
+        return stack_routes(seqs, length).to(self.world.device)  # (B, T, L, K)
+
+    def _my_rows(self, rows: list[Row]) -> list[Row]:
+        """Rows r, r+N, … of the batch; a rank left without any trains a copy of the first
+        row with nothing in its loss, so that every rank runs the same collectives."""
+        mine = rows[self.world.rank::self.world.size]
+        return mine or [dataclasses.replace(rows[0], mask=[0.0] * len(rows[0].mask))]
 
     def forward_backward(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
         rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float32)  # (N,)
@@ -252,66 +215,99 @@ class OnlineTrainer:
         adv = advantages(rewards, self.baseline.values(keys, rewards),
                          normalize=self.cfg.normalize_advantages)  # (N,)
         rows = pack_rows(experiences, adv.tolist())  # a session's turns share a row
-        batch = TokenBatch.from_sequences([r.tokens for r in rows], [r.mask for r in rows],
-                                          pad_id=self.pad_id)
-        behavior = batch.pad_like([r.behavior for r in rows])  # (B, T)
-        token_adv = batch.pad_like([r.advantage for r in rows])  # (B, T)
+        width = max(len(r.tokens) for r in rows)
+        total_tokens = sum(sum(r.mask) for r in rows)
+        mine = self._my_rows(rows)
+        batch = TokenBatch.from_sequences([r.tokens for r in mine], [r.mask for r in mine],
+                                          pad_id=self.pad_id, width=width)
+        behavior = batch.pad_like([r.behavior for r in mine])  # (B, T)
+        token_adv = batch.pad_like([r.advantage for r in mine])  # (B, T)
+        batch, behavior, token_adv = (batch.to(self.world.device), behavior.to(self.world.device),
+                                      token_adv.to(self.world.device))
         with torch.no_grad():
-            ref = (self.logprobs(self.reference, batch, rows) if self.cfg.kl_coef > 0
-                   else torch.zeros(batch.tokens.shape))
-        logp = self.logprobs(self.model, batch, rows)
-        mask = batch.loss_mask.bool()
-        if self.cfg.objective == "clipped":
-            out = clipped_online_loss(logp, behavior, ref, token_adv, mask, clip=self.cfg.clip,
-                                      is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
-        else:
-            out = online_loss(logp, behavior, ref, token_adv, mask, is_cap=self.cfg.is_cap,
-                              kl_coef=self.cfg.kl_coef)
-        out.loss.backward()
+            ref = (self.logprobs(self.reference, batch, mine) if self.cfg.kl_coef > 0
+                   else torch.zeros_like(behavior))
+        logp = self.logprobs(self.model, batch, mine)
+        out = self._loss(logp, behavior, ref, token_adv, batch.loss_mask.bool())
+        my_tokens = float(batch.loss_mask.sum())
+        # the token mean over the whole batch, after FSDP averages the ranks' gradients
+        (out.loss * (my_tokens / max(total_tokens, 1.0) * self.world.size)).backward()
         self.baseline.update(keys, rewards)
-        return {**out.metrics(), "reward": float(rewards.mean()),
+        return {**self._batch_metrics(out, my_tokens), "reward": float(rewards.mean()),
                 "advantage_abs": float(adv.abs().mean()), "rows": float(len(rows))}
+
+    def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, ref: torch.Tensor,
+              adv: torch.Tensor, mask: torch.Tensor) -> OnlineLoss:
+        if self.cfg.objective == "clipped":
+            return clipped_online_loss(logp, behavior, ref, adv, mask, clip=self.cfg.clip,
+                                       is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
+        return online_loss(logp, behavior, ref, adv, mask, is_cap=self.cfg.is_cap,
+                           kl_coef=self.cfg.kl_coef)
+
+    def _batch_metrics(self, out: OnlineLoss, my_tokens: float) -> dict[str, float]:
+        """The loss's token means over the whole batch (each rank saw its rows)."""
+        local = out.metrics()
+        if not self.world.sharded:
+            return local
+        sums = self.world.all_sum(torch.tensor(
+            [v * my_tokens for v in local.values()] + [my_tokens], dtype=torch.float64)).tolist()
+        tokens = max(sums.pop(), 1.0)
+        return {k: v / tokens for k, v in zip(local, sums, strict=True)}
 
     def step(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
         """One optimizer step on one batch; records the batch in the ledger."""
+        self._announce("step", list(experiences))
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.forward_backward(experiences)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = grad_norm(self.model, self.cfg.grad_clip)
         self.optimizer.step()
         self.ledger.record(LedgerEntry(
             step=self.state.step, experience_ids=[e.experience_id for e in experiences],
             generation_ids=[e.generation_id for e in experiences],
             feedback_event_ids=[i for e in experiences for i in e.feedback_event_ids]))
         self.state.step += 1
-        self.last_metrics = {**metrics, "grad_norm": float(norm), "batch": len(experiences)}
+        self.last_metrics = {**metrics, "grad_norm": norm, "batch": len(experiences)}
         return self.last_metrics
-
-    def state_dict(self) -> dict[str, Any]:
-        self.state.baseline = self.baseline.state_dict()
-        return {"weights": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "state": dict(self.state.__dict__), "ledger": self.ledger}
 
     def checkpoint(self) -> str:
         """Durably save everything; after this returns, its offsets may be committed."""
-        self.state.sequence += 1
-        parts = self.state_dict()
-        return self.store.save(sequence=self.state.sequence, **parts)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        sha = state_dict_sha256(weights)
-        self.store.save_reference(sha, weights)
-        self.reference.load_state_dict(weights)
-        self.state.reference_sha256 = sha
+        self._announce("checkpoint")
+        self.state.sequence += 1
+        self.state.baseline = self.baseline.state_dict()
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        return self.store.save(sequence=self.state.sequence,
+                               tensors={"weights": weights, "optimizer": optimizer},
+                               state=dict(self.state.__dict__), ledger=self.ledger,
+                               world=self.world)
+
+    def adopt_reference(self) -> str:
+        """The current weights become the KL reference (a release was published); returns
+        their sha256, under which the leader stored them for a resume."""
+        self._announce("adopt_reference")
+        weights = full_state_dict(self.model, self.world)
+        sha = state_dict_sha256(weights) if self.world.leader else None
+        if sha is not None:
+            self.store.save_reference(sha, weights)
+        del weights
+        self.reference.load_state_dict(self.model.state_dict())  # shard for shard
+        self.state.reference_sha256 = self.world.broadcast(sha)
+        return self.state.reference_sha256 or ""
 
     def export_candidate(self, path: Path) -> Path:
-        """Current weights as safetensors (tied tensors as copies), for the release pipeline."""
+        """Current weights as safetensors (tied tensors as copies), for the release pipeline;
+        gathered to the leader, which alone writes the file."""
         from safetensors.torch import save_file
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({n: t.detach().contiguous().clone()
-                   for n, t in self.model.state_dict().items()}, str(tmp))
-        tmp.replace(path)
+        self._announce("export_candidate", path)
+        weights = full_state_dict(self.model, self.world)
+        if self.world.leader:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file({n: t.contiguous() for n, t in weights.items()}, str(tmp))
+            tmp.replace(path)
+        self.world.barrier()
         return path
 
     def close(self) -> None:

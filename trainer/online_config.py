@@ -46,6 +46,9 @@ class OnlineTrainerSettings(BaseModel):
     max_batch: int = Field(default=32, ge=1)
     lr: float = Field(default=3e-4, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
+    # AdamW's epsilon: a gradient element far below it moves its weight by about
+    # lr * g / eps instead of a full lr, so rounding noise in a near-zero gradient stays noise
+    adam_eps: float = Field(default=1e-8, gt=0.0)
     grad_clip: float = Field(default=1.0, gt=0.0)
     # how the update corrects for the policy having moved since a generation was served
     # (trainer/online_loss.py): "clipped", PPO's clip anchored at the behavior logprobs (the

@@ -22,6 +22,7 @@ from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
 from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics
 from trainer.checkpoint import Ledger
+from trainer.distributed import World
 from trainer.online import OnlineTrainer, ReleaseSink
 from trainer.online_config import OnlineTrainerSettings
 
@@ -163,6 +164,8 @@ class OnlineLoop:
                                max_batch=self.cfg.max_batch)
             if batch is not None:
                 self._train(batch)
+            else:
+                self.trainer.tick()
             if time.time() - self.trainer.state.last_release_wall >= self.cfg.release_interval_s:
                 self.release(requested_by="trainer", reason="release_interval")
         if self.trainer.state.step > self._checkpointed_step:  # a clean stop loses nothing
@@ -218,8 +221,7 @@ class OnlineLoop:
                   "sha256": outcome.sha256, "reason": outcome.reason,
                   "step_range": provenance["step_range"]}
         if outcome.published:
-            weights = {n: t.detach().clone() for n, t in self.trainer.model.state_dict().items()}
-            self.trainer.set_reference(weights)  # the KL anchor follows the served release
+            self.trainer.adopt_reference()  # the KL anchor follows the served release
             state.release_from_step = state.step
             state.last_release = {**result, "at": time.time()}
         self.releases.append(result)
@@ -256,16 +258,22 @@ class OnlineLoop:
                              metrics=self.trainer.last_metrics)
 
 
-def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
-               control: TrainerControl | None = None, stop: threading.Event | None = None,
+def run_online(settings: Any, *, world: World | None = None,
+               release_sink: ReleaseSink | None = None, control: TrainerControl | None = None,
+               stop: threading.Event | None = None,
                on_step: Callable[[dict[str, float]], None] | None = None) -> OnlineReport:
-    """The `flywheel train-online` process: restore, consume, train, checkpoint, release."""
+    """The `flywheel train-online` process: restore, consume, train, checkpoint, release.
+    On a rank other than the leader of `world`: restore, then follow the leader's phases."""
     cfg: OnlineTrainerSettings = settings.online
     if settings.kafka_bootstrap is None:
         raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
     root = cfg.resolved_checkpoint_dir(settings.data_dir)
     trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root,
-                                   batch_invariant=settings.batch_invariant)
+                                   batch_invariant=settings.batch_invariant, world=world)
+    if not trainer.world.leader:
+        trainer.follow()
+        trainer.close()
+        return OnlineReport(trainer.state.step, trainer.ledger.trained, 0, [])
     kafka = settings.kafka_config(settings.kafka_bootstrap)
     ensure_topics(kafka)
     dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
@@ -276,6 +284,7 @@ def run_online(settings: Any, *, release_sink: ReleaseSink | None = None,
                           release_sink=release_sink, control=control, on_step=on_step)
         return loop.run(stop)
     finally:
+        trainer.finish()
         source.close()
         dlq.close()
         trainer.close()

@@ -29,8 +29,9 @@ class TokenBatch:
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[float]],
-                       *, pad_id: int) -> TokenBatch:
-        width = max(len(s) for s in sequences)
+                       *, pad_id: int, width: int | None = None) -> TokenBatch:
+        """`width`: pad to this many tokens (default: the longest sequence)."""
+        width = max(len(s) for s in sequences) if width is None else width
         tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
         attention = torch.zeros((len(sequences), width), dtype=torch.long)
         loss_mask = torch.zeros((len(sequences), width), dtype=torch.float32)
@@ -40,6 +41,10 @@ class TokenBatch:
             loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
         return cls(tokens, attention, loss_mask)
 
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(self.tokens.to(device), self.attention_mask.to(device),
+                          self.loss_mask.to(device))
+
     def pad_like(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
         """Right-pad per-token float rows (e.g. behavior logprobs) to (B, T)."""
         out = torch.zeros(self.tokens.shape, dtype=torch.float32)
@@ -48,11 +53,17 @@ class TokenBatch:
         return out
 
 
-def sequence_logprobs(model: Any, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1; position 0 gets 0. Returns (B, T)."""
+def sequence_logprobs(model: Any, batch: TokenBatch, *,
+                      temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1; position 0 gets 0. Returns (B, T).
+
+    `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask,
                    use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-    if temperature > 0:
+    if isinstance(temperature, torch.Tensor):
+        temps = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)  # (B,)
+        logits = logits / temps[:, None, None]
+    elif temperature > 0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     picked = logprobs.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)

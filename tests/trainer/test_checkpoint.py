@@ -8,14 +8,22 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.checkpoint import POINTER, CheckpointStore, Ledger, LedgerEntry
+from trainer.checkpoint import POINTER, Checkpoint, CheckpointStore, Ledger, LedgerEntry
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(16, 4, generator=g)
     return {"embed.weight": emb, "lm_head.weight": emb, "bias": torch.randn(3, generator=g)}
+
+
+def _read(ckpt: Checkpoint, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's "weights", read into tensors shaped like `like`."""
+    into = {"weights": {name: torch.zeros_like(t) for name, t in like.items()}}
+    CheckpointStore.load_tensors(ckpt, into)
+    return into["weights"]
 
 
 def _entry(step: int, *ids: str) -> LedgerEntry:
@@ -32,14 +40,19 @@ def test_round_trip_is_bitwise(tmp_path: Path) -> None:
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
     ledger = Ledger([_entry(0, "a", "b")])
-    store.save(sequence=1, weights=model.state_dict(), optimizer=opt.state_dict(),
+    weights, optimizer = get_state_dict(model, opt)
+    store.save(sequence=1, tensors={"weights": weights, "optimizer": optimizer},
                state={"step": 1, "offsets": {"experiences:0": 2}}, ledger=ledger)
     ckpt = store.load()
     assert ckpt is not None and ckpt.name == "ckpt-00000001"
+    fresh = torch.nn.Linear(4, 2)
+    restored = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    into = dict(zip(("weights", "optimizer"), get_state_dict(fresh, restored), strict=True))
+    store.load_tensors(ckpt, into)
+    set_state_dict(fresh, restored, model_state_dict=into["weights"],
+                   optim_state_dict=into["optimizer"])
     for name, tensor in model.state_dict().items():
-        assert torch.equal(ckpt.weights[name], tensor)
-    restored = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters(), lr=0.1)
-    restored.load_state_dict(ckpt.optimizer)
+        assert torch.equal(fresh.state_dict()[name], tensor)
     assert torch.equal(restored.state_dict()["state"][0]["exp_avg"],
                        opt.state_dict()["state"][0]["exp_avg"])
     assert ckpt.state["offsets"] == {"experiences:0": 2}
@@ -50,7 +63,7 @@ def test_round_trip_is_bitwise(tmp_path: Path) -> None:
 
 def test_only_the_pointer_commits(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=2)
-    store.save(sequence=1, weights=_weights(1), optimizer={}, state={"step": 1}, ledger=Ledger())
+    store.save(sequence=1, tensors={"weights": _weights(1)}, state={"step": 1}, ledger=Ledger())
     # A kill after a checkpoint's rename but before the pointer moved leaves an orphan dir,
     # and a kill mid-write leaves a temp dir: neither is ever read, both are replaced later.
     (tmp_path / "ckpt-00000002").mkdir()
@@ -58,17 +71,17 @@ def test_only_the_pointer_commits(tmp_path: Path) -> None:
     (tmp_path / ".tmp-ckpt-00000003-dead").mkdir()
     ckpt = store.load()
     assert ckpt is not None and ckpt.state == {"step": 1}
-    store.save(sequence=2, weights=_weights(2), optimizer={}, state={"step": 2}, ledger=Ledger())
+    store.save(sequence=2, tensors={"weights": _weights(2)}, state={"step": 2}, ledger=Ledger())
     ckpt = store.load()
     assert ckpt is not None and ckpt.state == {"step": 2}
-    assert torch.equal(ckpt.weights["bias"], _weights(2)["bias"])
+    assert torch.equal(_read(ckpt, _weights(2))["bias"], _weights(2)["bias"])
     assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_old_checkpoints_are_collected(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=2)
     for seq in range(1, 6):
-        store.save(sequence=seq, weights=_weights(seq), optimizer={}, state={}, ledger=Ledger())
+        store.save(sequence=seq, tensors={"weights": _weights(seq)}, state={}, ledger=Ledger())
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-00000004",
                                                               "ckpt-00000005"]
     assert (tmp_path / POINTER).read_text() == "ckpt-00000005"
@@ -76,13 +89,13 @@ def test_old_checkpoints_are_collected(tmp_path: Path) -> None:
 
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
-    store.save(sequence=1, weights=_weights(1), optimizer={}, state={"step": 1}, ledger=Ledger())
+    store.save(sequence=1, tensors={"weights": _weights(1)}, state={"step": 1}, ledger=Ledger())
     big = {f"w{i}": torch.randn(256, 256) for i in range(64)}  # slow enough to be caught
     for delay_ms in (0, 5, 20):
         pid = os.fork()
         if pid == 0:  # the child saves and is killed by the parent at some point
             try:
-                CheckpointStore(tmp_path).save(sequence=2, weights=big, optimizer={},
+                CheckpointStore(tmp_path).save(sequence=2, tensors={"weights": big},
                                                state={"step": 2}, ledger=Ledger())
             finally:
                 os._exit(0)
@@ -93,7 +106,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None
         ckpt = CheckpointStore(tmp_path).load()
         assert ckpt is not None and ckpt.state["step"] in (1, 2)
         if ckpt.state["step"] == 2:
-            assert torch.equal(ckpt.weights["w63"], big["w63"])
+            assert torch.equal(_read(ckpt, big)["w63"], big["w63"])
 
 
 def test_ledger_between_and_counts() -> None:

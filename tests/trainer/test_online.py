@@ -148,7 +148,7 @@ def test_take_batch_skips_the_ledger_and_returns_prefix_offsets(
 def test_every_turn_of_a_conversation_shares_its_opening_bucket() -> None:
     """The baseline compares a turn with turns of conversations that opened alike (the task):
     the prompt is cut at its first assistant header."""
-    from trainer.online import conversation_opening
+    from trainer.online_baseline import conversation_opening
 
     header = [1, 9]  # <|im_start|> assistant
     first = [1, 5, 6, 2, 1, 7, 8, 2, *header]  # system, user, assistant header

@@ -1,0 +1,122 @@
+"""FSDP2 on 2 gloo ranks: the same online steps as one process, a release that applies bit for
+bit, a sharded checkpoint that resumes at another world size.
+
+Two CPU ranks are started by `trainer.distributed.launch` (torch's elastic agent, as
+`flywheel train-online --nproc 2` does), one thread each. The leader steps the trainer on three
+batches (8, 7 and 1 experiences: even, odd, and one that leaves rank 1 a row with nothing in
+its loss), exports the candidate and checkpoints; rank 1 follows.
+
+Parity holds to 1.2e-7 here. AdamW's epsilon is 1e-4 in these tests, not torch's 1e-8: Adam
+moves every weight whose gradient is nonzero by about lr in its first steps, whatever the
+gradient's size, so an element whose gradient is rounding noise (a different summation order,
+here ranks; as well a different thread count) gets a full ±lr step of random sign. With 1e-8,
+some 70 of 2M elements differ by up to 3e-5; eps bounds that noise to lr * noise / eps.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/trainer/test_distributed.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ingest.events import ExperienceReady
+from kernels.delta import apply_delta, encode_delta
+from kernels.weights import state_dict_sha256
+from tests.trainer.test_online import make_experiences
+from trainer.distributed import join_world, launch, leave_world
+from trainer.online import OnlineTrainer
+from trainer.online_config import OnlineTrainerSettings
+from trainer.release import base_weights, load_candidate
+
+SIZES = (8, 7, 1)
+EPS = 1e-4
+
+
+def _cfg() -> OnlineTrainerSettings:
+    return OnlineTrainerSettings(lr=1e-3, deterministic=True, kl_coef=0.05, adam_eps=EPS)
+
+
+def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str) -> None:
+    """One rank of the sharded trainer (a `launch` entry point)."""
+    world = join_world(timeout_s=120)
+    try:
+        trainer = OnlineTrainer.restore(_cfg(), Path(model_dir), Path(out) / "ckpt",
+                                        world=world)
+        if not world.leader:
+            trainer.follow()
+            return
+        for batch in batches:
+            trainer.step(batch)
+        trainer.export_candidate(Path(out) / "candidate.safetensors")
+        trainer.checkpoint()
+        trainer.finish()
+    finally:
+        leave_world(world)
+
+
+@pytest.fixture(scope="module")
+def batches(model_dir: Path) -> list[list[ExperienceReady]]:
+    experiences = make_experiences(model_dir, sum(SIZES), seed=5)
+    starts = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    return [experiences[s:s + n] for s, n in zip(starts, SIZES, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: Path, batches: list[list[ExperienceReady]],
+              tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2")
+    launch(2, _rank, str(model_dir), batches, str(out), max_restarts=0)
+    return out
+
+
+def _one_process(model_dir: Path, root: Path) -> OnlineTrainer:
+    threads = torch.get_num_threads()
+    try:
+        return OnlineTrainer.restore(_cfg(), model_dir, root)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_step_like_one_process_on_the_full_batch(
+        two_ranks: Path, model_dir: Path, batches: list[list[ExperienceReady]],
+        tmp_path: Path) -> None:
+    trainer = _one_process(model_dir, tmp_path / "ckpt")
+    for batch in batches:
+        trainer.step(batch)
+    sharded = load_candidate(two_ranks / "candidate.safetensors", model_dir)
+    base = base_weights(model_dir)
+    moved = 0
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
+        moved += int(not torch.equal(tensor, base[name]))
+    assert moved > 0, "three steps changed nothing: the comparison would prove nothing"
+
+
+@pytest.mark.timeout(300)
+def test_a_release_from_two_ranks_applies_bit_for_bit(two_ranks: Path, model_dir: Path
+                                                      ) -> None:
+    base = base_weights(model_dir)
+    candidate = load_candidate(two_ranks / "candidate.safetensors", model_dir)
+    release = encode_delta(base, candidate, base_version=0, target_version=1)
+    live = {name: t.clone() for name, t in base.items()}  # a replica at version 0
+    apply_delta(live, release.manifest, release.shards.__getitem__)
+    assert state_dict_sha256(live) == state_dict_sha256(candidate)
+    assert all(torch.equal(live[n], candidate[n]) for n in candidate)
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks: Path, model_dir: Path
+                                                      ) -> None:
+    trainer = _one_process(model_dir, two_ranks / "ckpt")
+    candidate = load_candidate(two_ranks / "candidate.safetensors", model_dir)
+    assert trainer.state.step == len(SIZES)
+    assert trainer.ledger.trained == sum(SIZES)
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, candidate[name]), name
+    moments = [s["exp_avg"] for s in trainer.optimizer.state.values()]
+    assert moments and any(bool(m.abs().sum() > 0) for m in moments)
