@@ -4,7 +4,7 @@
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
-    flywheel train-online [--data-dir D]        experiences -> policy updates -> releases
+    flywheel train-online [--nproc N]           experiences -> policy updates -> releases
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -61,20 +61,43 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_train_online(args: argparse.Namespace) -> int:
-    from app.releases import PipelineReleaseSink
-    from trainer.online import run_online
-    from trainer.online_control import SqlTrainerControl, open_control_db
-
     settings = _settings(args)
     if settings.kafka_bootstrap is None:
         print("flywheel train-online: set FLYWHEEL_KAFKA_BOOTSTRAP", file=sys.stderr)
         return 2
-    stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
-    sink = None if args.no_release else PipelineReleaseSink(settings)
-    report = run_online(settings, release_sink=sink, control=control, stop=stop)
-    print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
+    if args.nproc is None:  # one process, or one rank of a world torchrun started
+        return train_online_rank(settings.model_dump_json(), not args.no_release)
+    from trainer.distributed import launch
+
+    launch(args.nproc, train_online_rank, settings.model_dump_json(), not args.no_release,
+           max_restarts=settings.online.max_restarts)
+    return 0
+
+
+def train_online_rank(settings_json: str, release: bool) -> int:
+    """One rank of `flywheel train-online` (the whole of it in the one-process world): the
+    leader takes the trainer control and the release pipeline, the others follow it."""
+    from trainer.distributed import join_world, leave_world
+    from trainer.online import run_online
+
+    settings = Settings.model_validate_json(settings_json)
+    world = join_world(timeout_s=settings.online.collective_timeout_s)
+    stop = stop_on_signals()
+    control, sink = None, None
+    if world.leader:
+        from app.releases import PipelineReleaseSink
+        from trainer.online_control import SqlTrainerControl, open_control_db
+
+        control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
+        sink = PipelineReleaseSink(settings) if release else None
+    try:
+        report = run_online(settings, world=world, release_sink=sink, control=control,
+                            stop=stop)
+    finally:
+        leave_world(world)
+    if world.leader:
+        print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
     return 0
 
 
@@ -158,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
     p = with_common(sub.add_parser("train-online", help="train on live feedback, release"))
     p.add_argument("--no-release", action="store_true", help="train and checkpoint only")
+    p.add_argument("--nproc", type=int, help="shard the trainer over N local ranks (FSDP2; "
+                   "gloo on CPU, NCCL on GPUs); under torchrun, leave it out")
     p.set_defaults(func=cmd_train_online)
     p = with_common(sub.add_parser("join", help="join sessions with feedback into experiences"))
     p.add_argument("--bootstrap", help="Kafka bootstrap (default: FLYWHEEL_KAFKA_BOOTSTRAP)")

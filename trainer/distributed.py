@@ -18,6 +18,7 @@ from the last checkpoint.
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import uuid
@@ -69,14 +70,16 @@ def _object_device(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def join_world(*, timeout_s: float = 300.0) -> World:
-    """Open the process group when launched by torchrun or `launch`, else the one-process world.
+def join_world(*, timeout_s: float = 300.0, cpu: bool = False) -> World:
+    """Open the process group when launched by torchrun or `launch`, else the one-process world
+    (which trains on the CPU). Ranks use NCCL and a GPU each where CUDA is, else gloo on the
+    CPU (`cpu`: gloo on the CPU regardless).
 
     A collective that waits longer than `timeout_s` (a rank died, a host is gone) raises, so a
     rank never hangs forever on a dead peer."""
     if not dist.is_torchelastic_launched():
         return World()
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cpu
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -156,6 +159,10 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any, max_restarts:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     pickle.dumps((entrypoint, args))  # fail here, not inside a spawned rank
+    # Each start of the ranks gets a store of its own rather than the agent's shared one:
+    # ranks SIGKILLed while they joined it left it refusing the next start's ranks (seen
+    # here, torch 2.13, in tests/integration/test_online_chaos_sharded.py).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"flywheel-{uuid.uuid4().hex}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",

@@ -71,6 +71,12 @@ class OnlineTrainerSettings(BaseModel):
     deterministic: bool = False
     threads: int | None = Field(default=None, ge=1)
     seed: int = 0
+    # Over N ranks: a collective that waits longer than this fails (a rank hung or its host
+    # is gone; a rank that dies is noticed by the launcher's agent within a second). The
+    # other ranks wait in one while the leader runs the eval gate of a release.
+    collective_timeout_s: float = Field(default=1800.0, gt=0.0)
+    max_restarts: int = Field(default=3, ge=0, description="--nproc: restarts of all ranks "
+                              "after one died, each from the last checkpoint")
     # Stop after this many trained experiences (tests, demos); None runs until told to stop.
     stop_after: int | None = Field(default=None, ge=1)
 

@@ -26,7 +26,7 @@ from ingest.events import ExperienceReady
 from kernels.delta import apply_delta, encode_delta
 from kernels.weights import state_dict_sha256
 from tests.trainer.test_online import make_experiences
-from trainer.distributed import join_world, launch, leave_world
+from trainer.distributed import World, join_world, launch, leave_world
 from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
 from trainer.release import base_weights, load_candidate
@@ -39,9 +39,11 @@ def _cfg() -> OnlineTrainerSettings:
     return OnlineTrainerSettings(lr=1e-3, deterministic=True, kl_coef=0.05, adam_eps=EPS)
 
 
-def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str) -> None:
-    """One rank of the sharded trainer (a `launch` entry point)."""
-    world = join_world(timeout_s=120)
+def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str,
+          cpu: bool = True) -> None:
+    """One rank of the sharded trainer (a `launch` entry point); gloo on the CPU, or with
+    `cpu=False` NCCL on a GPU where there is one."""
+    world = join_world(timeout_s=120, cpu=cpu)
     try:
         trainer = OnlineTrainer.restore(_cfg(), Path(model_dir), Path(out) / "ckpt",
                                         world=world)
@@ -72,10 +74,11 @@ def two_ranks(model_dir: Path, batches: list[list[ExperienceReady]],
     return out
 
 
-def _one_process(model_dir: Path, root: Path) -> OnlineTrainer:
+def _one_process(model_dir: Path, root: Path, device: str = "cpu") -> OnlineTrainer:
     threads = torch.get_num_threads()
     try:
-        return OnlineTrainer.restore(_cfg(), model_dir, root)
+        return OnlineTrainer.restore(_cfg(), model_dir, root,
+                                     world=World(device=torch.device(device)))
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(threads)
@@ -95,6 +98,22 @@ def test_two_ranks_step_like_one_process_on_the_full_batch(
         torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
         moved += int(not torch.equal(tensor, base[name]))
     assert moved > 0, "three steps changed nothing: the comparison would prove nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_one_gpu_rank_on_nccl_steps_like_one_process(
+        model_dir: Path, batches: list[list[ExperienceReady]], tmp_path: Path) -> None:
+    """FSDP2 on a world of one NCCL rank against the plain trainer, both on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    launch(1, _rank, str(model_dir), batches, str(tmp_path), False, max_restarts=0)
+    trainer = _one_process(model_dir, tmp_path / "one", device="cuda")
+    for batch in batches:
+        trainer.step(batch)
+    sharded = load_candidate(tmp_path / "candidate.safetensors", model_dir)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(sharded[name], tensor.cpu(), rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.timeout(300)
