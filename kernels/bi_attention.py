@@ -121,21 +121,24 @@ def bi_attention(
         .masked_fill_(drop, -inf)
         for k, drop in zip(keys, plan.dropped, strict=True)  # K @ Q^T: K as stored
     ]
-    top = scores[0].amax(-1, keepdim=True)
+    # the shift is a constant of the softmax (its gradient cancels): detached, as usual
+    top = scores[0].detach().amax(-1, keepdim=True)
     for s in scores[1:]:
-        top = torch.maximum(top, s.amax(-1, keepdim=True))  # max is exact in any order
+        top = torch.maximum(top, s.detach().amax(-1, keepdim=True))  # exact in any order
     top = top.clamp_(min=_LOWEST)  # rows with no key at all: finite, every p below is 0
     total: torch.Tensor | None = None  # (G, rows, 1)
     out: torch.Tensor | None = None  # (G, rows, D)
     for drop, s, v in zip(plan.dropped, scores, values, strict=True):  # blocks in a fixed order
         # exp of inputs below EXP_FLOOR (subnormal results, -inf) takes ATen's slow path; the
         # floor changes nothing that survives: masked keys are zeroed, the rest are < 1e-37.
-        p = torch.exp((s - top).clamp_(min=EXP_FLOOR)).masked_fill_(drop, 0.0)
+        p = torch.exp((s - top).clamp_(min=EXP_FLOOR))
+        # in place only where autograd does not keep exp's result for the backward
+        p = p.masked_fill(drop, 0.0) if torch.is_grad_enabled() else p.masked_fill_(drop, 0.0)
         part = bi_bmm(F.pad(p, (0, 0, 0, plan.q_pad)), v)[:, :rows]
         total = bi_row_sum(p) if total is None else total + bi_row_sum(p)
         out = part if out is None else out + part
     assert total is not None and out is not None  # at least one key block
-    out = out / total.clamp_(min=1.0)  # total >= 1 (the max key adds exp(0)), or 0: no key
+    out = out / total.clamp(min=1.0)  # total >= 1 (the max key adds exp(0)), or 0: no key
     return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous()
 
 

@@ -83,8 +83,10 @@ def linear_reference(
 
 
 def bi_silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU from exp and division (both exact in vector and scalar paths), not ATen's silu."""
-    return x / torch.exp(-x).add_(1.0)
+    """SiLU from exp and division (both exact in vector and scalar paths), not ATen's silu.
+    In place only where autograd does not keep exp's result for the backward."""
+    e = torch.exp(-x)
+    return x / (e + 1.0 if torch.is_grad_enabled() else e.add_(1.0))
 
 
 def silu_reference(x: torch.Tensor) -> torch.Tensor:

@@ -129,12 +129,12 @@ class OnlineTrainer:
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         header = ChatTokens(AutoTokenizer.from_pretrained(model_dir)).open("assistant")
-        if batch_invariant:
+        base_sha = state_dict_sha256(model.state_dict())  # whole, before it is sharded
+        model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
+        if batch_invariant:  # per module: FSDP2's hooks wrap the patched forwards
             from kernels.batch_invariant import enable_batch_invariant
 
             enable_batch_invariant(model)
-        base_sha = state_dict_sha256(model.state_dict())  # whole, before it is sharded
-        model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
         reference = copy.deepcopy(model)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
         trainer = cls(cfg, shard(model, world), shard(reference, world),

@@ -114,6 +114,8 @@ def test_sigkill_a_rank_ten_times_trains_each_experience_once(
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0, out[-4000:]
+    # the agent says which rank died and how, then starts them again
+    assert out.count("terminated with signal SIGKILL") >= KILLS, out[-4000:]
     assert f"trained {EXPERIENCES} experiences" in out, out[-2000:]
 
     ckpt = store.load()

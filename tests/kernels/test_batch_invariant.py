@@ -268,3 +268,23 @@ def test_switch_restores_stock_forward(device: str) -> None:
     enable_batch_invariant(model)
     disable_batch_invariant(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_gradients_through_the_kernels_match_the_stock_model() -> None:
+    """The trainer backpropagates through the batch-invariant forward: the same gradients as
+    the stock one (in-place ops on results autograd keeps would break or corrupt them)."""
+    ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # padding on the right, as the trainer batches
+    grads = []
+    for invariant in (False, True):
+        model = tiny_model()
+        if invariant:
+            enable_batch_invariant(model)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits.float().logsumexp(-1) * mask).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    stock, invariant_grads = grads
+    assert stock.keys() == invariant_grads.keys()
+    for name, grad in stock.items():
+        torch.testing.assert_close(invariant_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -35,18 +35,19 @@ SIZES = (8, 7, 1)
 EPS = 1e-4
 
 
-def _cfg() -> OnlineTrainerSettings:
-    return OnlineTrainerSettings(lr=1e-3, deterministic=True, kl_coef=0.05, adam_eps=EPS)
+def _cfg(**kw: object) -> OnlineTrainerSettings:
+    return OnlineTrainerSettings(lr=1e-3, deterministic=True, kl_coef=0.05, adam_eps=EPS,
+                                 **kw)  # type: ignore[arg-type]
 
 
 def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str,
-          cpu: bool = True) -> None:
+          cpu: bool = True, batch_invariant: bool = False) -> None:
     """One rank of the sharded trainer (a `launch` entry point); gloo on the CPU, or with
     `cpu=False` NCCL on a GPU where there is one."""
     world = join_world(timeout_s=120, cpu=cpu)
     try:
         trainer = OnlineTrainer.restore(_cfg(), Path(model_dir), Path(out) / "ckpt",
-                                        world=world)
+                                        world=world, batch_invariant=batch_invariant)
         if not world.leader:
             trainer.follow()
             return
@@ -74,10 +75,11 @@ def two_ranks(model_dir: Path, batches: list[list[ExperienceReady]],
     return out
 
 
-def _one_process(model_dir: Path, root: Path, device: str = "cpu") -> OnlineTrainer:
+def _one_process(model_dir: Path, root: Path, device: str = "cpu",
+                 batch_invariant: bool = False) -> OnlineTrainer:
     threads = torch.get_num_threads()
     try:
-        return OnlineTrainer.restore(_cfg(), model_dir, root,
+        return OnlineTrainer.restore(_cfg(), model_dir, root, batch_invariant=batch_invariant,
                                      world=World(device=torch.device(device)))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -98,6 +100,21 @@ def test_two_ranks_step_like_one_process_on_the_full_batch(
         torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
         moved += int(not torch.equal(tensor, base[name]))
     assert moved > 0, "three steps changed nothing: the comparison would prove nothing"
+
+
+@pytest.mark.timeout(300)
+def test_batch_invariant_kernels_and_route_replay_under_fsdp2(
+        model_dir: Path, batches: list[list[ExperienceReady]], tmp_path: Path) -> None:
+    """The switch is per module and the routes per token: both hold on sharded blocks (the
+    experiences carry their routes, which every step replays)."""
+    assert all(e.routed_experts is not None for b in batches for e in b)
+    launch(2, _rank, str(model_dir), batches, str(tmp_path), True, True, max_restarts=0)
+    trainer = _one_process(model_dir, tmp_path / "one", batch_invariant=True)
+    for batch in batches:
+        trainer.step(batch)
+    sharded = load_candidate(tmp_path / "candidate.safetensors", model_dir)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.gpu
