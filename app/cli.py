@@ -5,6 +5,7 @@
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--nproc N]           experiences -> policy updates -> releases
+    flywheel bootstrap [--nproc N]              mid-training + GRPO on verifiable tasks, JSON
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -137,7 +138,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    import json
     import time
 
     settings = _settings(args)
@@ -149,15 +149,40 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or cfg.run_dir or (
         settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
     from trainer.init_model import init_model  # torch from here on
-    from trainer.offline import run_bootstrap
 
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:
         init_model(settings.model, model_dir)
-    summary = run_bootstrap(cfg, model_dir, run_dir, progress=not args.no_progress,
-                            batch_invariant=settings.batch_invariant)
-    print(f"run dir: {run_dir}", file=sys.stderr)
-    print(json.dumps(summary), flush=True)
+    job = (cfg.model_dump_json(), str(model_dir), str(run_dir), not args.no_progress,
+           settings.batch_invariant)
+    if args.nproc is None:  # one process, or one rank of a world torchrun started
+        return bootstrap_rank(*job)
+    from trainer.distributed import launch
+
+    launch(args.nproc, bootstrap_rank, *job, max_restarts=0)
+    return 0
+
+
+def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
+                   batch_invariant: bool) -> int:
+    """One rank of `flywheel bootstrap` (the whole of it in the one-process world): the
+    leader runs the bootstrap and prints its JSON line, the others follow its training."""
+    import json
+
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.distributed import join_world, leave_world
+    from trainer.offline import run_bootstrap
+
+    cfg = BootstrapSettings.model_validate_json(cfg_json)
+    world = join_world(timeout_s=1800.0)  # the others wait in one while the leader evaluates
+    try:
+        summary = run_bootstrap(cfg, Path(model_dir), Path(run_dir), progress=progress,
+                                batch_invariant=batch_invariant, world=world)
+    finally:
+        leave_world(world)
+    if world.leader:
+        print(f"run dir: {run_dir}", file=sys.stderr)
+        print(json.dumps(summary), flush=True)
     return 0
 
 
@@ -194,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--midtrain-steps", type=int)
     p.add_argument("--mode", choices=["async", "sync"])
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=int, help="shard the learner over N local ranks (FSDP2); "
+                   "under torchrun, leave it out")
     p.set_defaults(func=cmd_bootstrap)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4, help="with --smoke")

@@ -18,17 +18,21 @@ from the last checkpoint.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,61 @@ class World:
             dist.barrier()
 
 
+class Phases:
+    """The leader's collective phases, mirrored on every rank.
+
+    A method decorated `@collective` is a phase: every rank must run it, in the same order.
+    On the leader of a sharded world, entering a phase first broadcasts its name and arguments
+    (positional, picklable); the other ranks sit in `follow`, which calls the same method of
+    their own object. A phase that calls another runs it as part of itself (announced once).
+    In the one-process world nothing is sent."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self._depth = 0
+
+    @contextmanager
+    def enter(self, name: str, args: tuple[Any, ...]) -> Iterator[None]:
+        if self.world.sharded and self.world.leader and self._depth == 0:
+            self.world.broadcast((name, args))
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def follow(self, target: Any) -> None:
+        """A rank other than the leader: run each phase the leader enters, on `target`, until
+        `finish`. A leader that died leaves this rank in a collective that times out."""
+        while True:
+            name, args = self.world.broadcast()
+            if name == "finish":
+                return
+            if name != "tick":
+                getattr(target, name)(*args)
+
+    def tick(self) -> None:
+        """Nothing to do this round; tells the other ranks the leader is alive."""
+        with self.enter("tick", ()):
+            pass
+
+    def finish(self) -> None:
+        """The leader is done: the other ranks leave `follow`."""
+        with self.enter("finish", ()):
+            pass
+
+
+def collective(method: Callable[..., R]) -> Callable[..., R]:
+    """Mark a method of an object with a `phases: Phases` attribute as a phase (see Phases)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any) -> R:
+        with self.phases.enter(method.__name__, args):
+            return method(self, *args)
+
+    return run
+
+
 def _object_device(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
@@ -97,7 +156,9 @@ def leave_world(world: World) -> None:
 
 def shard(model: Any, world: World) -> Any:
     """FSDP2: each decoder block is one unit of all-gather and reduce-scatter, the root (the
-    embeddings, the final norm, the tied LM head) another. Returns the same module."""
+    embeddings, the final norm, the tied LM head) another. A model still on the CPU moves to
+    `world.device` block by block, each keeping its shard: the whole model is never on one
+    device. Returns the same module."""
     if not world.sharded:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,6 +197,15 @@ def load_full_state_dict(model: Any, weights: Mapping[str, Any], world: World) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
+
+
+def all_max(world: World, values: torch.Tensor) -> torch.Tensor:
+    """Elementwise max of `values` over ranks."""
+    if not world.sharded:
+        return values
+    out = values.to(world.device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.cpu()
 
 
 def grad_norm(model: Any, max_norm: float) -> float:

@@ -24,7 +24,7 @@ from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
 from simulate.tasks import STUB_BODY, Task, split_of
 from simulate.tools import SOLUTION_FILE, ToolWorkspace
-from trainer.policy import Policy
+from trainer.policy import NextTokenLoss, Policy, Rows
 
 if TYPE_CHECKING:
     import torch
@@ -96,13 +96,9 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
     for step in tqdm(range(steps), desc="mid-training", disable=not progress,
                      dynamic_ncols=True, mininterval=1.0):
         rows = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
-        batch = policy.batch([r[0] for r in rows], [r[1] for r in rows])
-        logp = policy.token_logprobs(batch)  # (B, T)
-        loss = -(logp * batch.loss_mask).sum() / batch.loss_mask.sum()
-        loss.backward()
-        policy.set_lr(lr * lr_factor(step, steps, floor=lr_floor))
-        policy.optimizer_step()
-        loss_value = float(loss.detach())
+        metrics = policy.train_step(Rows([r[0] for r in rows], [r[1] for r in rows]),
+                                    NextTokenLoss(), lr * lr_factor(step, steps, floor=lr_floor))
+        loss_value = metrics["loss"]
     policy.version = 0  # mid-training produces the start policy: version 0 of the RL run
     return MidTrainResult(steps=steps, final_loss=loss_value)
 

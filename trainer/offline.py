@@ -36,10 +36,11 @@ from simulate.rollouts import (
 )
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
+from trainer.distributed import World
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
 from trainer.midtrain import cosine_factor
 from trainer.pipeline import PipelineClosedError, StalenessGate
-from trainer.policy import Policy
+from trainer.policy import Policy, Rows, TokenBatch
 from trainer.rollout_workers import (
     RolloutWorker,
     WeightStore,
@@ -53,15 +54,33 @@ from trainer.task_sampler import TaskSampler
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class GrpoObjective:
+    """The bootstrap's GRPO loss as a `trainer.policy.Objective`: the clipped surrogate with
+    its ratio anchored at the rollout's behavior logprobs or at the policy being trained."""
+
+    config: GRPOLossConfig
+    temperature: float
+    clip_anchor: ClipAnchor
+    aggregation: str = "token"
+
+    def loss(self, logp: torch.Tensor, batch: TokenBatch, behavior: torch.Tensor | None,
+             advantages: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        assert behavior is not None and advantages is not None  # GrpoObjective's rows have them
+        anchor = behavior if self.clip_anchor == "behavior" else logp.detach()
+        loss, metrics = grpo_loss(logp, anchor, advantages, batch.loss_mask, config=self.config,
+                                  behavior_logp=behavior)
+        mismatch = ((logp.detach() - behavior).abs() * batch.loss_mask).max()
+        return loss, metrics | {"max_abs_logprob_diff": float(mismatch)}
+
+
 class OfflineTrainer:
     """GRPO on `RolloutGroup`s: one optimizer step per trainer step."""
 
     def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float,
                  clip_anchor: ClipAnchor = "trainer") -> None:
         self.policy = policy
-        self.loss = loss
-        self.temperature = temperature
-        self.clip_anchor = clip_anchor
+        self.objective = GrpoObjective(loss, temperature, clip_anchor, loss.aggregation)
 
     @classmethod
     def from_settings(cls, policy: Policy, cfg: BootstrapSettings) -> OfflineTrainer:
@@ -72,47 +91,41 @@ class OfflineTrainer:
             loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
         return cls(policy, loss, temperature=cfg.temperature, clip_anchor=cfg.clip_anchor)
 
-    def forward_backward(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        sequences, masks, behavior, advantages = [], [], [], []
+    @staticmethod
+    def rows(groups: list[RolloutGroup]) -> tuple[Rows, dict[str, float]]:
+        """The groups' trainable segments with their advantages, and the groups' metrics.
+        A group whose rewards are all equal has no signal (every advantage is 0): left out."""
+        rows = Rows([], [], [], [])
         rewards = []
         for group in groups:
             r = torch.tensor([t.reward for t in group.trajectories])  # (N,)
             rewards.append(r)
             adv = group_advantages(r[None])[0]  # (N,)
             if float(r.std()) < 1e-6:
-                continue  # no signal in this group: every advantage is 0
+                continue
             for traj, a in zip(group.trajectories, adv.tolist(), strict=True):
                 for seg in unpack_segments(traj):
-                    sequences.append(seg.token_ids)
-                    masks.append(seg.loss_mask)
-                    behavior.append(seg.logprobs)
-                    advantages.append(a)
+                    rows.sequences.append(seg.token_ids)
+                    rows.masks.append(seg.loss_mask)
+                    rows.behavior.append(seg.logprobs)  # type: ignore[union-attr]
+                    rows.advantages.append(a)  # type: ignore[union-attr]
         all_rewards = torch.cat(rewards)
         metrics = {"reward": float(all_rewards.mean()),
                    "solved": sum(solved(t) for g in groups for t in g.trajectories)
-                   / len(all_rewards), "trained_sequences": float(len(sequences)),
+                   / len(all_rewards), "trained_sequences": float(len(rows)),
                    "cheating_flagged": float(sum(bool(t.flags) for g in groups
                                                  for t in g.trajectories))}
-        if not sequences:
-            return metrics | {"loss": 0.0}
-        batch = self.policy.batch(sequences, masks)
-        logp = self.policy.token_logprobs(batch, temperature=self.temperature)  # (B, T)
-        behavior_logp = batch.pad_like(behavior)  # (B, T)
-        anchor = behavior_logp if self.clip_anchor == "behavior" else logp.detach()
-        loss, loss_metrics = grpo_loss(logp, anchor, torch.tensor(advantages),
-                                       batch.loss_mask, config=self.loss,
-                                       behavior_logp=behavior_logp)
-        loss.backward()
-        mismatch = ((logp.detach() - behavior_logp).abs() * batch.loss_mask).max()
-        return metrics | loss_metrics | {"loss": float(loss.detach()),
-                                         "max_abs_logprob_diff": float(mismatch)}
+        return rows, metrics
 
     def step(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        metrics = self.forward_backward(groups)
-        if metrics["trained_sequences"] > 0:
-            metrics["grad_norm"] = self.policy.optimizer_step()
+        """One optimizer step on the groups, at the policy's current rate (a step with no
+        signal still advances the version, the schedule's clock)."""
+        rows, metrics = self.rows(groups)
+        if len(rows):
+            metrics |= self.policy.train_step(rows, self.objective, self.policy.lr)
         else:
-            self.policy.version += 1  # a step with no signal still advances the schedule
+            metrics["loss"] = 0.0
+            self.policy.version += 1
         staleness = [self.policy.version - 1 - g.policy_version for g in groups]
         return metrics | {"staleness_max": float(max(staleness))}
 
@@ -299,25 +312,36 @@ def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
 
 
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
-                  progress: bool = True, batch_invariant: bool = False) -> dict[str, Any]:
+                  progress: bool = True, batch_invariant: bool = False,
+                  world: World | None = None) -> dict[str, Any]:
     """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
-    engines are copies of the policy's model, so they inherit the switch)."""
+    engines are copies of the policy's model, so they inherit the switch). Over the ranks of
+    `world` the policy is sharded; the leader runs everything else (tasks, rollout workers,
+    evals, files) and the others follow its training phases, then return {}."""
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    policy = Policy.load(model_dir, lr=cfg.midtrain_lr, world=world,
+                         batch_invariant=batch_invariant)
+    if not policy.world.leader:
+        policy.follow()
+        return {}
+    try:
+        return _bootstrap(policy, cfg, run_dir, progress=progress)
+    finally:
+        policy.finish()
+
+
+def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
+               progress: bool) -> dict[str, Any]:
     from simulate.tasks import build_task_source
     from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
 
     start = time.monotonic()
-    torch.set_num_threads(cfg.torch_threads)
-    torch.manual_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     source = build_task_source(cfg.tasks)
     train, held_out = source.split("train"), source.split("held_out")
     random.Random(cfg.seed).shuffle(held_out)
-    policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
-    if batch_invariant:
-        from kernels.batch_invariant import enable_batch_invariant
-
-        enable_batch_invariant(policy.model)
     mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), progress=progress)
     cache = SandboxCache()
     eval_engine = make_engine(policy, cfg, seed=cfg.seed)

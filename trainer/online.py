@@ -15,8 +15,9 @@ the trainer (consumer, batching, control, releases) is trainer/online_loop.py.
 Over N ranks (trainer/distributed.py) the model and the optimizer are sharded with FSDP2.
 The leader (rank 0) alone reads Kafka and runs the loop; each collective phase it enters
 (`step`, `checkpoint`, `export_candidate`, `adopt_reference`) it first announces, with its
-arguments, and the other ranks, in `follow`, enter the same phase. Every rank holds the whole
-batch, so the advantages and baselines are the same everywhere; rank r trains rows r, r+N, …,
+arguments, and the other ranks, in `follow`, enter the same phase (`Phases`). Every rank
+holds the whole batch, so advantages and baselines are the same everywhere; rank r trains rows
+r, r+N, …,
 its loss scaled so that FSDP's mean of the ranks' gradients is the gradient of the token mean
 over the whole batch: the same step as one process.
 
@@ -38,7 +39,15 @@ import torch
 from ingest.events import ExperienceReady
 from kernels.weights import state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
-from trainer.distributed import World, full_state_dict, grad_norm, load_full_state_dict, shard
+from trainer.distributed import (
+    Phases,
+    World,
+    collective,
+    full_state_dict,
+    grad_norm,
+    load_full_state_dict,
+    shard,
+)
 from trainer.online_baseline import bucket_key, build_baseline
 from trainer.online_batch import Row, pack_rows
 from trainer.online_config import OnlineTrainerSettings
@@ -99,6 +108,7 @@ class OnlineTrainer:
                  world: World | None = None, reference_sha256: str | None = None) -> None:
         self.cfg = cfg
         self.world = world or World()
+        self.phases = Phases(self.world)
         self.assistant_header = list(assistant_header)  # where a conversation's opening ends
         self.model = model.train()
         self.reference = reference.eval().requires_grad_(False)
@@ -130,7 +140,8 @@ class OnlineTrainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         header = ChatTokens(AutoTokenizer.from_pretrained(model_dir)).open("assistant")
         base_sha = state_dict_sha256(model.state_dict())  # whole, before it is sharded
-        model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
+        if not world.sharded:  # sharded, each block moves its own shard to the device
+            model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
         if batch_invariant:  # per module: FSDP2's hooks wrap the patched forwards
             from kernels.batch_invariant import enable_batch_invariant
 
@@ -163,28 +174,16 @@ class OnlineTrainer:
         log.info("resumed %s at step %d", ckpt.name, self.state.step)
         return True
 
-    # -- the leader's phases, mirrored on every rank ----------------------------------------
-    def _announce(self, phase: str, *args: Any) -> None:
-        """On the leader of a sharded world: tell the other ranks which phase comes next."""
-        if self.world.sharded and self.world.leader:
-            self.world.broadcast((phase, args))
-
+    # -- the leader's phases, mirrored on every rank (trainer/distributed.py Phases) -------
     def follow(self) -> None:
-        """A rank other than the leader: enter each phase the leader announces, until
-        `finish`. A leader that died leaves this rank in a collective that times out."""
-        while True:
-            phase, args = self.world.broadcast()
-            if phase == "finish":
-                return
-            if phase != "tick":
-                getattr(self, phase)(*args)
+        """A rank other than the leader: run the phases the leader enters, until `finish`."""
+        self.phases.follow(self)
 
     def tick(self) -> None:
-        """Nothing to do this round; tells the other ranks the leader is alive."""
-        self._announce("tick")
+        self.phases.tick()
 
     def finish(self) -> None:
-        self._announce("finish")
+        self.phases.finish()
 
     # -- phases ------------------------------------------------------------------------------
     def logprobs(self, model: Any, batch: TokenBatch, rows: Sequence[Row]) -> torch.Tensor:
@@ -254,9 +253,9 @@ class OnlineTrainer:
         tokens = max(sums.pop(), 1.0)
         return {k: v / tokens for k, v in zip(local, sums, strict=True)}
 
+    @collective
     def step(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:
         """One optimizer step on one batch; records the batch in the ledger."""
-        self._announce("step", list(experiences))
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.forward_backward(experiences)
         norm = grad_norm(self.model, self.cfg.grad_clip)
@@ -269,11 +268,11 @@ class OnlineTrainer:
         self.last_metrics = {**metrics, "grad_norm": norm, "batch": len(experiences)}
         return self.last_metrics
 
+    @collective
     def checkpoint(self) -> str:
         """Durably save everything; after this returns, its offsets may be committed."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        self._announce("checkpoint")
         self.state.sequence += 1
         self.state.baseline = self.baseline.state_dict()
         weights, optimizer = get_state_dict(self.model, self.optimizer)
@@ -282,10 +281,10 @@ class OnlineTrainer:
                                state=dict(self.state.__dict__), ledger=self.ledger,
                                world=self.world)
 
+    @collective
     def adopt_reference(self) -> str:
         """The current weights become the KL reference (a release was published); returns
         their sha256, under which the leader stored them for a resume."""
-        self._announce("adopt_reference")
         weights = full_state_dict(self.model, self.world)
         sha = state_dict_sha256(weights) if self.world.leader else None
         if sha is not None:
@@ -295,12 +294,12 @@ class OnlineTrainer:
         self.state.reference_sha256 = self.world.broadcast(sha)
         return self.state.reference_sha256 or ""
 
+    @collective
     def export_candidate(self, path: Path) -> Path:
         """Current weights as safetensors (tied tensors as copies), for the release pipeline;
         gathered to the leader, which alone writes the file."""
         from safetensors.torch import save_file
 
-        self._announce("export_candidate", path)
         weights = full_state_dict(self.model, self.world)
         if self.world.leader:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,22 +1,40 @@
 """The trained policy: the same Hugging Face model class as serving, plus its optimizer.
 
-`Policy.token_logprobs` runs one full-sequence forward over given token ids and returns the
+`sequence_logprobs` runs one full-sequence forward over given token ids and returns the
 log-probability of every token under the model (temperature applied, as the engine reports it),
 which is what GRPO compares to the behavior logprobs recorded at sampling time. Sequences of a
 batch are right-padded; padding never reaches a loss because its mask is 0.
 
+`Policy.train_step` is one optimizer step of an `Objective` (mid-training's next-token loss,
+the bootstrap's GRPO loss) on `Rows`. Over N ranks (trainer/distributed.py) the model is
+sharded with FSDP2 and the leader's collective phases (`train_step`, `state_dict`,
+`unsharded_model`, `save`) run on every rank, each rank training rows r, r+N, … with its loss
+weighted so that the ranks' mean gradient is the whole batch's.
+
     policy = Policy.load(model_dir, lr=1e-3)
-    logprobs = policy.token_logprobs(batch.tokens, temperature=1.0)   # (B, T)
+    metrics = policy.train_step(Rows(sequences, masks), NextTokenLoss(), 1e-3)
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from trainer.distributed import (
+    Phases,
+    World,
+    all_max,
+    collective,
+    full_state_dict,
+    grad_norm,
+    shard,
+)
 
 
 @dataclass
@@ -70,27 +88,98 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
     return torch.nn.functional.pad(picked, (1, 0))
 
 
+@dataclass(frozen=True)
+class Rows:
+    """One batch as plain lists (the leader sends it to the other ranks). Per row: token ids,
+    loss mask, and, for a policy-gradient objective, behavior logprobs per token and an
+    advantage."""
+
+    sequences: list[list[int]]
+    masks: list[Sequence[float]]
+    behavior: list[list[float]] | None = None
+    advantages: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def take(self, start: int, step: int) -> Rows:
+        """Rows start, start+step, … (a rank's share)."""
+        return Rows(self.sequences[start::step], self.masks[start::step],
+                    None if self.behavior is None else self.behavior[start::step],
+                    None if self.advantages is None else self.advantages[start::step])
+
+    def silenced(self) -> Rows:
+        """The first row with nothing in its loss: what a rank without a row trains, so that
+        every rank runs the same collectives."""
+        first = self.take(0, len(self) or 1)
+        return dataclasses.replace(first, masks=[[0.0] * len(first.masks[0])])
+
+
+class Objective(Protocol):
+    """A loss over a batch's logprobs; `aggregation` says what its mean is over ("token":
+    every trained token of the batch, "sequence": every row with one)."""
+
+    temperature: float
+    aggregation: str
+
+    def loss(self, logp: torch.Tensor, batch: TokenBatch, behavior: torch.Tensor | None,
+             advantages: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@dataclass(frozen=True)
+class NextTokenLoss:
+    """Mid-training: the token mean of -log p over the masked tokens."""
+
+    temperature: float = 1.0
+    aggregation: str = "token"
+
+    def loss(self, logp: torch.Tensor, batch: TokenBatch, behavior: torch.Tensor | None,
+             advantages: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = batch.loss_mask  # (B, T)
+        return -(logp * mask).sum() / mask.sum().clamp(min=1.0), {}
+
+
+def _weight(masks: Sequence[Sequence[float]], aggregation: str) -> float:
+    """What a batch's mean is over: its trained tokens, or its rows with a trained token."""
+    if aggregation == "token":
+        return float(sum(sum(m) for m in masks))
+    return float(sum(1 for m in masks if any(m)))
+
+
 class Policy:
     """A causal LM being trained: logprobs, optimizer step, weights out for the rollout side."""
 
     def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0) -> None:
+                 max_grad_norm: float = 1.0, adam_eps: float = 1e-8,
+                 world: World | None = None) -> None:
+        self.world = world or World()
+        self.phases = Phases(self.world)
         self.model = model.train()
         self.tokenizer = tokenizer
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
-                                           weight_decay=weight_decay)
+                                           eps=adam_eps, weight_decay=weight_decay)
         self.version = 0
 
     @classmethod
-    def load(cls, model_dir: Path, *, lr: float, **kwargs: Any) -> Policy:
+    def load(cls, model_dir: Path, *, lr: float, world: World | None = None,
+             batch_invariant: bool = False, **kwargs: Any) -> Policy:
+        """The model of `model_dir` on `world`'s device, sharded over its ranks;
+        `batch_invariant`: the kernels of kernels/batch_invariant.py."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        world = world or World()
         hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        return cls(model, tokenizer, lr=lr, **kwargs)
+        if not world.sharded:  # sharded, each block moves its own shard to the device
+            model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
+        if batch_invariant:
+            from kernels.batch_invariant import enable_batch_invariant
+
+            enable_batch_invariant(model)
+        return cls(shard(model, world), tokenizer, lr=lr, world=world, **kwargs)
 
     @property
     def pad_id(self) -> int:
@@ -103,24 +192,102 @@ class Policy:
     def token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
         return sequence_logprobs(self.model, batch, temperature=temperature)
 
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def optimizer_step(self) -> float:
         """Clip, step, zero grads, bump the version; returns the pre-clip grad norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        norm = grad_norm(self.model, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return float(norm)
+        return norm
 
+    # -- the leader's phases, mirrored on every rank ------------------------------------------
+    def follow(self) -> None:
+        """A rank other than the leader: run the phases the leader enters, until `finish`."""
+        self.phases.follow(self)
+
+    def finish(self) -> None:
+        self.phases.finish()
+
+    @collective
+    def train_step(self, rows: Rows, objective: Objective, lr: float) -> dict[str, float]:
+        """One optimizer step of `objective` on `rows` at rate `lr`: metrics (the objective's,
+        over the whole batch), its loss and the pre-clip grad norm."""
+        self.set_lr(lr)
+        world = self.world
+        mine = rows.take(world.rank, world.size)
+        mine = mine if len(mine) else rows.silenced()
+        batch = TokenBatch.from_sequences(mine.sequences, mine.masks, pad_id=self.pad_id,
+                                          width=max(len(s) for s in rows.sequences))
+        behavior = None if mine.behavior is None else batch.pad_like(mine.behavior)  # (B, T)
+        advantages = (None if mine.advantages is None
+                      else torch.tensor(mine.advantages, dtype=torch.float32))  # (B,)
+        batch = batch.to(world.device)
+        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature)
+        loss, metrics = objective.loss(
+            logp, batch, None if behavior is None else behavior.to(world.device),
+            None if advantages is None else advantages.to(world.device))
+        mine_w = _weight(mine.masks, objective.aggregation)
+        total_w = _weight(rows.masks, objective.aggregation)
+        # the batch's mean, after FSDP averages the ranks' gradients (x 1.0 in one process)
+        (loss * (mine_w / max(total_w, 1.0) * world.size)).backward()
+        metrics = self._batch_metrics({**metrics, "loss": float(loss.detach())}, mine_w)
+        return metrics | {"grad_norm": self.optimizer_step()}
+
+    def _batch_metrics(self, local: dict[str, float], weight: float) -> dict[str, float]:
+        """Means over the whole batch, weighted by each rank's share; `max_*` are maxima."""
+        if not self.world.sharded:
+            return local
+        means = [k for k in local if not k.startswith("max_")]
+        sums = self.world.all_sum(torch.tensor([local[k] * weight for k in means] + [weight],
+                                               dtype=torch.float64)).tolist()
+        total = max(sums.pop(), 1.0)
+        out = {k: v / total for k, v in zip(means, sums, strict=True)}
+        maxima = [k for k in local if k.startswith("max_")]
+        if maxima:
+            top = all_max(self.world, torch.tensor([local[k] for k in maxima],
+                                                   dtype=torch.float64)).tolist()
+            out |= dict(zip(maxima, top, strict=True))
+        return out
+
+    @collective
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the weights, safe to hand to another thread."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The whole weights, detached copies safe to hand to another thread ({} on the
+        ranks other than the leader)."""
+        return full_state_dict(self.model, self.world)
 
+    @collective
+    def unsharded_model(self) -> Any:
+        """A plain copy of the model holding the current weights, for an engine (None on the
+        ranks other than the leader)."""
+        if not self.world.sharded:
+            return copy.deepcopy(self.model)
+        weights = full_state_dict(self.model, self.world)
+        if not self.world.leader:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        from kernels.batch_invariant import enable_batch_invariant, is_batch_invariant
+
+        model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+        model.load_state_dict(weights)
+        if is_batch_invariant(self.model):
+            enable_batch_invariant(model)
+        return model.train()
+
+    @collective
     def save(self, out_dir: Path) -> Path:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
-        self.tokenizer.save_pretrained(out_dir)
+        """The weights and the tokenizer as a Hugging Face model directory (the leader's)."""
+        model = self.model if not self.world.sharded else self.unsharded_model()
+        if self.world.leader:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
         return out_dir

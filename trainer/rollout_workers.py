@@ -18,7 +18,6 @@ fresh enough, and hands the work to its `Rollouts`:
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import multiprocessing
 import random
@@ -71,7 +70,7 @@ def engine_for(model: Any, tokenizer: Any, cfg: BootstrapSettings, *, seed: int)
 
 def make_engine(policy: Policy, cfg: BootstrapSettings, *, seed: int) -> TorchEngine:
     """An engine on a copy of the policy's current weights (batch-invariant if it is)."""
-    return engine_for(copy.deepcopy(policy.model), policy.tokenizer, cfg, seed=seed)
+    return engine_for(policy.unsharded_model(), policy.tokenizer, cfg, seed=seed)
 
 
 def load_weights(engine: TorchEngine, version: int, state: Weights) -> None:
@@ -137,7 +136,7 @@ class ProcessRollouts:
 
     def __init__(self, policy: Policy, cfg: BootstrapSettings, *, seed: int,
                  cache: SandboxCache) -> None:
-        model = copy.deepcopy(policy.model)
+        model = policy.unsharded_model()
         spec = _ChildSpec(model_config=disable_batch_invariant(model).config,
                           weights=save(policy.state_dict()), version=policy.version,
                           tokenizer=policy.tokenizer, cfg=cfg, seed=seed,

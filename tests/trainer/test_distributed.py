@@ -17,6 +17,7 @@ some 70 of 2M elements differ by up to 3e-5; eps bounds that noise to lr * noise
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,12 @@ from ingest.events import ExperienceReady
 from kernels.delta import apply_delta, encode_delta
 from kernels.weights import state_dict_sha256
 from tests.trainer.test_online import make_experiences
+from trainer.bootstrap_config import BootstrapSettings
 from trainer.distributed import World, join_world, launch, leave_world
+from trainer.offline import OfflineTrainer
 from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
+from trainer.policy import NextTokenLoss, Policy, Rows
 from trainer.release import base_weights, load_candidate
 
 SIZES = (8, 7, 1)
@@ -115,6 +119,68 @@ def test_batch_invariant_kernels_and_route_replay_under_fsdp2(
     sharded = load_candidate(tmp_path / "candidate.safetensors", model_dir)
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def _policy_rows(batches: list[list[ExperienceReady]]) -> list[Rows]:
+    """The experiences as the bootstrap's rows: whole sequences, completion tokens trained,
+    their behavior logprobs, an advantage of ±1."""
+    out = []
+    for batch in batches:
+        rows = Rows([], [], [], [])
+        for e in batch:
+            prompt, completion = e.prompt_token_ids.tolist(), e.completion_token_ids.tolist()
+            rows.sequences.append(prompt + completion)
+            rows.masks.append([0.0] * len(prompt) + [1.0] * len(completion))
+            rows.behavior.append([0.0] * len(prompt) + e.logprobs.tolist())  # type: ignore
+            rows.advantages.append(e.reward)  # type: ignore[union-attr]
+        out.append(rows)
+    return out
+
+
+def _policy_steps(policy: Policy, rows: list[Rows]) -> None:
+    """One mid-training step, then GRPO steps: the bootstrap's two objectives."""
+    grpo = OfflineTrainer.from_settings(policy, BootstrapSettings()).objective
+    policy.train_step(dataclasses.replace(rows[0], behavior=None, advantages=None),
+                      NextTokenLoss(), 1e-3)
+    for batch in rows:
+        policy.train_step(batch, grpo, 1e-3)
+
+
+def _policy_rank(model_dir: str, rows: list[Rows], out: str) -> None:
+    """One rank of the bootstrap's sharded learner (a `launch` entry point)."""
+    world = join_world(timeout_s=120, cpu=True)
+    try:
+        torch.set_num_threads(1)
+        policy = Policy.load(Path(model_dir), lr=1e-3, world=world, adam_eps=EPS)
+        if not world.leader:
+            policy.follow()
+            return
+        _policy_steps(policy, rows)
+        policy.save(Path(out) / "model")
+        policy.finish()
+    finally:
+        leave_world(world)
+
+
+@pytest.mark.timeout(300)
+def test_the_bootstraps_learner_on_two_ranks_steps_like_one_process(
+        model_dir: Path, batches: list[list[ExperienceReady]], tmp_path: Path) -> None:
+    """Mid-training's next-token loss and GRPO's clipped surrogate, each on 2 gloo ranks,
+    against one process on the full batches; the leader saves the model whole."""
+    rows = _policy_rows(batches)
+    launch(2, _policy_rank, str(model_dir), rows, str(tmp_path), max_restarts=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = Policy.load(model_dir, lr=1e-3, adam_eps=EPS)
+        _policy_steps(policy, rows)
+    finally:
+        torch.set_num_threads(threads)
+    sharded = base_weights(tmp_path / "model")
+    base = base_weights(model_dir)
+    for name, tensor in policy.model.state_dict().items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-6, msg=name)
+        assert not torch.equal(tensor, base[name]), name
 
 
 @pytest.mark.gpu

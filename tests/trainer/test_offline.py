@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -86,8 +87,8 @@ def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path
     by_anchor = {}
     for anchor in ("trainer", "behavior"):
         cfg = BootstrapSettings(clip_anchor=anchor)
-        by_anchor[anchor] = OfflineTrainer.from_settings(policy, cfg).forward_backward([group])
-        policy.optimizer.zero_grad(set_to_none=True)
+        # metrics are taken before the update: each anchor from the same stale policy
+        by_anchor[anchor] = OfflineTrainer.from_settings(copy.deepcopy(policy), cfg).step([group])
     trainer, behavior_anchored = by_anchor["trainer"], by_anchor["behavior"]
     assert trainer["ratio_mean"] == pytest.approx(1.0) and trainer["clip_fraction"] == 0.0
     assert trainer["is_weight_mean"] != pytest.approx(1.0)
