@@ -69,6 +69,29 @@ class World:
         if self.sharded:
             dist.barrier()
 
+    def loss_share(self, mine: float, total: float) -> float:
+        """What a rank's loss, a mean over its `mine` of the batch's `total` (tokens or rows),
+        is scaled by, so that FSDP's mean of the ranks' gradients is the gradient of the mean
+        over the whole batch (1.0 in the one-process world, where mine == total)."""
+        return mine / max(total, 1.0) * self.size
+
+    def batch_means(self, local: dict[str, float], weight: float) -> dict[str, float]:
+        """Metrics over the whole batch from each rank's, over its share `weight` of it: means
+        weighted by the shares, and the maximum of those named `max_*`."""
+        if not self.sharded:
+            return local
+        means = [k for k in local if not k.startswith("max_")]
+        sums = self.all_sum(torch.tensor([local[k] * weight for k in means] + [weight],
+                                         dtype=torch.float64)).tolist()
+        total = max(sums.pop(), 1.0)
+        out = {k: v / total for k, v in zip(means, sums, strict=True)}
+        maxima = [k for k in local if k.startswith("max_")]
+        if maxima:
+            top = torch.tensor([local[k] for k in maxima], dtype=torch.float64).to(self.device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            out |= dict(zip(maxima, top.tolist(), strict=True))
+        return out
+
 
 class Phases:
     """The leader's collective phases, mirrored on every rank.
@@ -197,15 +220,6 @@ def load_full_state_dict(model: Any, weights: Mapping[str, Any], world: World) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
-
-
-def all_max(world: World, values: torch.Tensor) -> torch.Tensor:
-    """Elementwise max of `values` over ranks."""
-    if not world.sharded:
-        return values
-    out = values.to(world.device)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out.cpu()
 
 
 def grad_norm(model: Any, max_norm: float) -> float:

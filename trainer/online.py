@@ -17,9 +17,8 @@ The leader (rank 0) alone reads Kafka and runs the loop; each collective phase i
 (`step`, `checkpoint`, `export_candidate`, `adopt_reference`) it first announces, with its
 arguments, and the other ranks, in `follow`, enter the same phase (`Phases`). Every rank
 holds the whole batch, so advantages and baselines are the same everywhere; rank r trains rows
-r, r+N, …,
-its loss scaled so that FSDP's mean of the ranks' gradients is the gradient of the token mean
-over the whole batch: the same step as one process.
+r, r+N, …, its loss scaled so that FSDP's mean of the ranks' gradients is the gradient of the
+token mean over the whole batch: the same step as one process.
 
     flywheel train-online --data-dir data [--nproc N]
 """
@@ -230,9 +229,9 @@ class OnlineTrainer:
         out = self._loss(logp, behavior, ref, token_adv, batch.loss_mask.bool())
         my_tokens = float(batch.loss_mask.sum())
         # the token mean over the whole batch, after FSDP averages the ranks' gradients
-        (out.loss * (my_tokens / max(total_tokens, 1.0) * self.world.size)).backward()
+        (out.loss * self.world.loss_share(my_tokens, total_tokens)).backward()
         self.baseline.update(keys, rewards)
-        return {**self._batch_metrics(out, my_tokens), "reward": float(rewards.mean()),
+        return {**self.world.batch_means(out.metrics(), my_tokens), "reward": float(rewards.mean()),
                 "advantage_abs": float(adv.abs().mean()), "rows": float(len(rows))}
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, ref: torch.Tensor,
@@ -242,16 +241,6 @@ class OnlineTrainer:
                                        is_cap=self.cfg.is_cap, kl_coef=self.cfg.kl_coef)
         return online_loss(logp, behavior, ref, adv, mask, is_cap=self.cfg.is_cap,
                            kl_coef=self.cfg.kl_coef)
-
-    def _batch_metrics(self, out: OnlineLoss, my_tokens: float) -> dict[str, float]:
-        """The loss's token means over the whole batch (each rank saw its rows)."""
-        local = out.metrics()
-        if not self.world.sharded:
-            return local
-        sums = self.world.all_sum(torch.tensor(
-            [v * my_tokens for v in local.values()] + [my_tokens], dtype=torch.float64)).tolist()
-        tokens = max(sums.pop(), 1.0)
-        return {k: v / tokens for k, v in zip(local, sums, strict=True)}
 
     @collective
     def step(self, experiences: Sequence[ExperienceReady]) -> dict[str, float]:

@@ -29,7 +29,6 @@ import torch
 from trainer.distributed import (
     Phases,
     World,
-    all_max,
     collective,
     full_state_dict,
     grad_norm,
@@ -237,25 +236,9 @@ class Policy:
         mine_w = _weight(mine.masks, objective.aggregation)
         total_w = _weight(rows.masks, objective.aggregation)
         # the batch's mean, after FSDP averages the ranks' gradients (x 1.0 in one process)
-        (loss * (mine_w / max(total_w, 1.0) * world.size)).backward()
-        metrics = self._batch_metrics({**metrics, "loss": float(loss.detach())}, mine_w)
+        (loss * world.loss_share(mine_w, total_w)).backward()
+        metrics = world.batch_means({**metrics, "loss": float(loss.detach())}, mine_w)
         return metrics | {"grad_norm": self.optimizer_step()}
-
-    def _batch_metrics(self, local: dict[str, float], weight: float) -> dict[str, float]:
-        """Means over the whole batch, weighted by each rank's share; `max_*` are maxima."""
-        if not self.world.sharded:
-            return local
-        means = [k for k in local if not k.startswith("max_")]
-        sums = self.world.all_sum(torch.tensor([local[k] * weight for k in means] + [weight],
-                                               dtype=torch.float64)).tolist()
-        total = max(sums.pop(), 1.0)
-        out = {k: v / total for k, v in zip(means, sums, strict=True)}
-        maxima = [k for k in local if k.startswith("max_")]
-        if maxima:
-            top = all_max(self.world, torch.tensor([local[k] for k in maxima],
-                                                   dtype=torch.float64)).tolist()
-            out |= dict(zip(maxima, top, strict=True))
-        return out
 
     @collective
     def state_dict(self) -> dict[str, torch.Tensor]:
