@@ -3,7 +3,7 @@
     flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
-    flywheel join [--data-dir D] [--bootstrap B]  sessions x feedback -> experiences (ingest/join)
+    flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--nproc N]           experiences -> policy updates -> releases
     flywheel bootstrap [--nproc N]              mid-training + GRPO on verifiable tasks, JSON
 
@@ -80,7 +80,7 @@ def train_online_rank(settings_json: str, release: bool) -> int:
     """One rank of `flywheel train-online` (the whole of it in the one-process world): the
     leader takes the trainer control and the release pipeline, the others follow it."""
     from trainer.distributed import join_world, leave_world
-    from trainer.online import run_online
+    from trainer.online_loop import run_online
 
     settings = Settings.model_validate_json(settings_json)
     world = join_world(timeout_s=settings.online.collective_timeout_s)
@@ -103,17 +103,16 @@ def train_online_rank(settings_json: str, release: bool) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from ingest.join import relax_gc, run_join
+    from ingest.join import run_join
 
     settings = _settings(args)
-    bootstrap = args.bootstrap or settings.kafka_bootstrap
-    if bootstrap is None:
-        print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --bootstrap", file=sys.stderr)
+    kafka = args.kafka or settings.kafka_bootstrap
+    if kafka is None:
+        print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --kafka", file=sys.stderr)
         return 2
-    relax_gc()
     stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    run_join(settings.kafka_config(bootstrap), settings.join,
+    run_join(settings.kafka_config(kafka), settings.join,
              database_url=settings.resolved_join_database_url, stop=stop)
     return 0
 
@@ -210,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "gloo on CPU, NCCL on GPUs); under torchrun, leave it out")
     p.set_defaults(func=cmd_train_online)
     p = with_common(sub.add_parser("join", help="join sessions with feedback into experiences"))
-    p.add_argument("--bootstrap", help="Kafka bootstrap (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    p.add_argument("--kafka", metavar="SERVERS",
+                   help="Kafka bootstrap servers (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
     p.set_defaults(func=cmd_join)
     p = with_common(sub.add_parser("bootstrap", help="mid-train + GRPO on verifiable tasks"))
     p.add_argument("--run-dir", type=Path, help="default: <data-dir>/runs/bootstrap-<time>")

@@ -10,10 +10,10 @@ from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import JSON, Column, Engine
-from sqlmodel import Field, SQLModel, create_engine
+from sqlmodel import Field, SQLModel
 
 from ingest.events import utcnow
-from ingest.sql_tables import create_tables
+from ingest.sql import open_database
 
 
 class FeedbackReceipt(SQLModel, table=True):
@@ -69,8 +69,5 @@ class Release(SQLModel, table=True):
 
 
 def make_db_engine(url: str) -> Engine:
-    """Create the engine and the tables (idempotent)."""
-    connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
-    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
-    create_tables(engine)
-    return engine
+    """Create the engine and the tables (idempotent; `ingest.sql.open_database`)."""
+    return open_database(url)

@@ -136,8 +136,8 @@ class DeveloperThread:
 def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
     from app.releases import PipelineReleaseSink
     from ingest.join import run_join
-    from trainer.online import run_online
     from trainer.online_control import SqlTrainerControl, open_control_db
+    from trainer.online_loop import run_online
 
     started = time.monotonic()
     plan = plan or DemoPlan()

@@ -2,9 +2,8 @@
 
 Requests queue their events for one writer thread, which takes everything queued at once
 (group commit): ids received lately are answered from memory, the rest with one SQL query;
-every new event is produced (its partition computed here from its key: the generation_id, or
-a session verdict's session_id), the
-producer is flushed and the acks checked, then one INSERT … ON CONFLICT DO NOTHING records
+every new event is produced, keyed by its generation_id (or a session verdict's session_id),
+and the acks awaited, then one INSERT … ON CONFLICT DO NOTHING records
 the receipts and one callback per event loop wakes the waiting requests. A receipt is written
 only after the broker acknowledged its event, so a crash in between re-produces on retry (the
 join dedupes by event_id) and never loses one. One writer means one group in flight: an id
@@ -24,21 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy import event as sa_event
 
 from app.db import FeedbackReceipt
 from ingest.events import FeedbackReceived, encode, utcnow
-from ingest.log import EventProducer, partition_for
-from ingest.sql_ids import existing_ids, insert_rows
+from ingest.log import EventProducer
+from ingest.sql import existing_ids, insert_rows
 
 log = logging.getLogger(__name__)
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
 
 
 class FeedbackLogUnavailable(RuntimeError):
@@ -95,11 +86,6 @@ class FeedbackIntake:
         self.ledger = ReceiptLedger(db)
         self._queue: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._closed = False
-        if db.dialect.name == "sqlite":
-            # WAL: readers never wait on the writer; synchronous=NORMAL: a commit survives the
-            # process dying, a machine crash may lose the last receipts (re-produced on retry).
-            sa_event.listen(db, "connect", _sqlite_pragmas)
-            db.pool.dispose()  # pooled connections opened before the listener
         self._thread = threading.Thread(target=self._run, name="feedback-intake", daemon=True)
         self._thread.start()
 
@@ -178,17 +164,10 @@ class FeedbackIntake:
         return flags
 
     def _produce(self, events: list[FeedbackReceived]) -> None:
-        """Send every event keyed by its key (generation_id, or a verdict's session_id), flush,
-        and fail if any was refused."""
-        producer, topic = self.producer, self.topic
-        partitions = producer.partitions(topic)
-        records = []
-        for e in events:
-            key = e.key.encode("utf-8")
-            records.append((partition_for(key, partitions), key, encode(e)))
-        queued = producer.send_many(topic, records)
-        producer.flush(self.delivery_timeout_s)  # the group is the batch: no linger
-        producer.wait(queued, self.delivery_timeout_s)  # raises the broker's error
+        """Send every event keyed by its key (generation_id, or a verdict's session_id) and
+        wait for the acks; raises the broker's error for any refused."""
+        self.producer.deliver(self.topic, [(e.key, encode(e)) for e in events],
+                              timeout_s=self.delivery_timeout_s)
 
     def _existing(self, event_ids: set[str]) -> set[str]:
         return self.ledger.existing(event_ids)

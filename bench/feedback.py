@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
 from ingest.broker import EmbeddedBroker, free_port  # noqa: E402
+from ingest.events import GenerationLogged, PackedArray, SamplingParams  # noqa: E402
 from ingest.signing import SIGNATURE_HEADER, sign  # noqa: E402
 
 SECRET = "bench-secret"
@@ -190,9 +191,8 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
     until the parent says go, so that every member is in the group before anything is read
     (a member joining later would stop the others for a rebalance). With `sessions_first`
     it reads its sessions partitions alone, untimed, then the feedback when told."""
-    from ingest.join import Join, relax_gc
+    from ingest.join import Join
 
-    relax_gc()  # as `flywheel join` does
     join = Join(kafka, settings, database_url=database_url)
     go, feedback_go, assigned = shared["go"], shared["feedback_go"], shared["assigned"]
 
@@ -306,9 +306,23 @@ def bench_join(settings: Settings, sessions: int, expected: int, database_url: s
                    database_cpu / expected * 1e6 if postgres else None)
 
 
+def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
+                      top_k: int = 2) -> GenerationLogged:
+    """A valid GenerationLogged with random tokens, logprobs and routes (the join's tests use
+    it too)."""
+    p, t = int(rng.integers(4, 12)), int(rng.integers(1, 10))
+    return GenerationLogged(
+        generation_id=generation_id, request_id=generation_id, model_version=0,
+        model_sha256="ab" * 32, prompt_token_ids=PackedArray.pack(rng.integers(0, 500, p), "int32"),
+        completion_token_ids=PackedArray.pack(rng.integers(0, 500, t), "int32"),
+        logprobs=PackedArray.pack(-rng.random(t), "float32"),
+        routed_experts=PackedArray.pack(rng.integers(0, 8, (p + t - 1, layers, top_k)), "int16"),
+        sampling=SamplingParams(temperature=0.8, max_tokens=t), finish_reason="length",
+        latency_ms=3.0)
+
+
 def produce_sessions(settings: Settings, generations: list[str]) -> None:
     from ingest.log import EventProducer
-    from tests.ingest.test_join import synthetic_session
 
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
     producer = EventProducer(kafka)

@@ -1,6 +1,6 @@
 """One join member, in this process, over a feedback backlog whose sessions it read first.
 
-    .venv/bin/python bench/join_member.py [--events 40000] [--sessions 5000] [--default-gc]
+    .venv/bin/python bench/join_member.py [--events 40000] [--sessions 5000]
 
 The piece of `bench/feedback.py` to profile (`py-spy record --pid …` once it prints
 `ready`) or to compare two versions of the join with (alternate runs: on a shared 2-core
@@ -28,22 +28,17 @@ from app.settings import Settings  # noqa: E402
 from bench.feedback import event, produce_sessions  # noqa: E402
 from ingest.broker import EmbeddedBroker  # noqa: E402
 from ingest.events import FeedbackReceived, encode  # noqa: E402
-from ingest.log import EventProducer, partition_for  # noqa: E402
+from ingest.log import EventProducer  # noqa: E402
 
 
 def produce_feedback(settings: Settings, generations: list[str], count: int) -> None:
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
     producer = EventProducer(kafka)
-    partitions = producer.partitions(kafka.topics.feedback)
-    records = []
-    for i in range(count):
-        key = generations[i % len(generations)].encode()
-        records.append((partition_for(key, partitions), key,
-                        encode(FeedbackReceived.model_validate(event(generations, i)))))
+    records = [(generations[i % len(generations)],
+                encode(FeedbackReceived.model_validate(event(generations, i))))
+               for i in range(count)]
     for start in range(0, count, 1000):
-        queued = producer.send_many(kafka.topics.feedback, records[start:start + 1000])
-        producer.flush(30)
-        producer.wait(queued, 30)
+        producer.deliver(kafka.topics.feedback, records[start:start + 1000], timeout_s=30)
     producer.close()
 
 
@@ -51,13 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--sessions", type=int, default=5000)
-    parser.add_argument("--default-gc", action="store_true",
-                        help="keep Python's GC thresholds (`flywheel join` relaxes them)")
     args = parser.parse_args()
-    from ingest.join import Join, relax_gc
-
-    if not args.default_gc:
-        relax_gc()
+    from ingest.join import Join
 
     data = Path(tempfile.mkdtemp(prefix="bench-join-"))
     broker = EmbeddedBroker.start(log_path=data / "broker.log")
@@ -95,7 +85,7 @@ def main() -> None:
     print(json.dumps({"bench": "join_member", "events_per_s": round(events_per_s, 1),
                       "cpu_us_per_event": round(cpu_us, 1),
                       "loop_idle_us_per_event": round(idle_us, 1), "events": args.events,
-                      "sessions": args.sessions, "default_gc": args.default_gc}))
+                      "sessions": args.sessions}))
 
 
 if __name__ == "__main__":

@@ -84,7 +84,6 @@ class JoinSettings(BaseModel):
     # next fetches before the join works on this one (it fetches only for partitions with
     # nothing buffered): 20,000 against 5,000 cut the join loop's idle time per event by 40%
     max_poll_records: int = Field(default=20_000, ge=1, le=100_000)
-    session_cache: int = Field(default=10_000, ge=0)  # recent sessions kept decoded in memory
     poll_timeout_ms: int = Field(default=200, ge=1)
     session_settle_s: float = Field(default=2.0, ge=0)
     session_discount: float = Field(default=1.0, gt=0, le=1)

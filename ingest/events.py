@@ -209,6 +209,25 @@ class ExperienceReady(BaseModel):
     generated_at: datetime
     joined_at: datetime = Field(default_factory=utcnow)
 
+    @classmethod
+    def of(cls, session: GenerationLogged, feedback: FeedbackReceived, reward: float, *,
+           turn: int | None = None, turns: int | None = None) -> ExperienceReady:
+        """The experience of `feedback` on `session` (a session verdict's: turn `turn` of
+        `turns`). Built without validating again what the two events validated already."""
+        verdict = feedback.session_id is not None
+        return cls.model_construct(
+            experience_id=experience_id_for(
+                feedback.event_id, session.generation_id if verdict else None),
+            generation_id=session.generation_id, feedback_event_ids=[feedback.event_id],
+            feedback_kind=feedback.kind, feedback_value=feedback.value,
+            session_id=feedback.session_id, turn=turn, turns=turns, reward=float(reward),
+            model_version=session.model_version, model_sha256=session.model_sha256,
+            prompt_token_ids=session.prompt_token_ids,
+            completion_token_ids=session.completion_token_ids, logprobs=session.logprobs,
+            routed_experts=session.routed_experts, sampling=session.sampling,
+            finish_reason=session.finish_reason, generated_at=session.created_at,
+            joined_at=utcnow())
+
     @model_validator(mode="after")
     def _aligned(self) -> ExperienceReady:
         t = len(self.completion_token_ids)

@@ -1,87 +1,53 @@
 """The sessions x feedback join: rewarded experiences for the online trainer.
 
-A consumer-group process (`flywheel join`) reads `sessions` and `feedback`, matches them by
-generation_id in SQL (either may come first), and for every unique feedback event that meets
-its session produces one `ExperienceReady` to `experiences`, keyed by an experience id derived
-from the event id. Each poll runs: store records and matches (one SQL transaction of a few
-set-based statements; the matches go to an outbox, one row per input partition) -> commit
-the offsets -> send the experiences (from memory; after a restart, from SQL) without waiting:
-their acks are taken during the next poll and marked by its transaction (`ingest.join_outbox`).
-Recent sessions stay decoded in memory (`RecentSessions`), and each session's members of the
-experience JSON are serialized once (`ingest.experience_json`), so an experience costs little
-more than its produce.
-A crash anywhere re-delivers records that the SQL ledger then ignores; experiences produced
-but not marked are found on restart by scanning the topic's tail, so nothing counts twice.
-Entries unmatched after `expire_after_s` go to `dlq` with the reason; undecodable records go
-there with their raw bytes (EventConsumer).
+A consumer-group process (`flywheel join`) reads `sessions` and `feedback` and, for every
+unique feedback event that meets its session (either may come first), produces one
+`ExperienceReady` to `experiences`, keyed by an experience id derived from the event id. Each
+poll is consume → match → produce:
+
+1. consume: the poll's records, decoded (undecodable ones went to `dlq` with their bytes);
+2. match, in one SQL transaction (`ingest.join_store`): store the sessions and the feedback
+   ids not seen before, pair new feedback with stored sessions and new sessions with stored
+   pending feedback;
+3. produce the experiences of the new pairs and wait for the broker's acks, still inside the
+   transaction, which records how far the acks reached (`join_progress`) and commits; then
+   commit the Kafka offsets.
+
+A crash before the commit rolls the transaction back and the records come again. Experiences
+the broker acknowledged before such a crash would then be made a second time: so a member
+that is assigned partitions first reads the tail of `experiences` from the offsets stored for
+them, and does not produce again an experience it finds there. The topic holds each
+experience once; consumers dedupe by key anyway (at-least-once everywhere).
 
 Feedback may also be a verdict on a whole agent session (`session_id`, keyed by it): it
 becomes one experience per turn of the session, once settled (`ingest.join_sessions`).
+Entries unmatched after `expire_after_s` go to `dlq` with the reason.
 
 Several processes scale it out as one consumer group over one SQL state: every producer
 partitions by CRC-32 of the key and both topics are keyed by generation_id, so a generation's
 session and feedback share a partition number, which range assignment gives to one member.
-Each member drains the outbox batches of the partitions it owns (after a rebalance, also those
-a previous owner left), and its sweep matches the halves of a generation that two members stored
-while the partition moved between them.
+The sweep matches the halves of a generation that two members stored while the partition
+moved between them.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from kafka import TopicPartition
 from sqlalchemy import Connection
 
+from ingest import join_store as store
 from ingest.config import JoinSettings, KafkaConfig
-from ingest.events import (
-    DeadLetter,
-    FeedbackReceived,
-    GenerationLogged,
-    encode,
-    utcnow,
-)
-from ingest.experience_json import experience_id_of, joined_at_member, session_members
-from ingest.join_outbox import Match, Outbox, Outgoing
-from ingest.join_sessions import Judged, SessionVerdicts
-from ingest.join_sessions_state import expire_verdicts, forget_turns, stale_verdicts, turn_row
-from ingest.join_state import (
-    MATCHED,
-    PENDING,
-    FeedbackRow,
-    JoinFeedback,
-    JoinSession,
-    SessionRow,
-    acked_offsets,
-    add_to_outbox,
-    awaited_sessions,
-    claim_pending,
-    claim_waiting,
-    expire_feedback,
-    forget_sessions,
-    insert_new,
-    last_seqs,
-    mark_produced,
-    open_state,
-    outbox_row,
-    pending_with_sessions,
-    prune_outbox,
-    sessions_matched,
-    stale_pending,
-    stale_sessions,
-    stored_sessions,
-    unproduced,
-    writing,
-)
+from ingest.events import DeadLetter, ExperienceReady, FeedbackReceived, GenerationLogged, encode
+from ingest.join_sessions import turn_plan
 from ingest.log import (
     Delivered,
     EventConsumer,
@@ -91,7 +57,7 @@ from ingest.log import (
     scan_keys,
 )
 from ingest.rewards import reward_for
-from ingest.sql_ids import existing_ids
+from ingest.sql import open_database
 
 log = logging.getLogger(__name__)
 
@@ -111,28 +77,6 @@ class JoinStats:
     expired_verdicts: int = 0
 
 
-class RecentSessions:
-    """The last `capacity` sessions this join stored, decoded: feedback mostly follows its
-    session closely, and then needs neither the SQL read nor a second decode of it."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: dict[str, Match] = {}
-
-    def get(self, generation_id: str) -> Match | None:
-        return self._items.get(generation_id)
-
-    def add(self, matches: dict[str, Match]) -> None:
-        items = self._items
-        items.update(matches)
-        for _ in range(len(items) - self.capacity):
-            del items[next(iter(items))]
-
-    def forget(self, generation_ids: Iterable[str]) -> None:
-        for generation_id in generation_ids:
-            self._items.pop(generation_id, None)
-
-
 class Join:
     """One member of the join's consumer group; `run()` until `stop` is set."""
 
@@ -142,43 +86,25 @@ class Join:
         self.settings = settings
         self.clock = clock
         self.stats = JoinStats()
-        self.db = open_state(database_url)
+        self.db = open_database(database_url, store.TABLES)
         self.producer = EventProducer(kafka, client_id="flywheel-join")
         topics = kafka.topics
         self.consumer = EventConsumer(
             kafka, group_id=settings.group_id, dlq=self.producer, name="join",
             types={topics.sessions: GenerationLogged, topics.feedback: FeedbackReceived},
             max_poll_records=settings.max_poll_records)
-        self.outbox = Outbox(self.producer, topics.experiences,
-                             timeout_s=kafka.delivery_timeout_ms / 1000)
-        self._next_sweep = 0.0
-        self._loaded = False  # the outbox holds what a predecessor left (see `load_outbox`)
-        self._seqs: dict[int, int] = {}  # the last outbox seq used, per owned source
-        self._recent = RecentSessions(settings.session_cache)
-        self._owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
-        self.verdicts = SessionVerdicts(self.db, settings, clock, lookup=self._stored_matches,
-                                        store=self._store_batches)
-        self.consumer.on_revoked.append(self._revoked)
         self.consumer.on_assigned.append(self._assigned)
-
-    def _revoked(self, _partitions: set[TopicPartition]) -> None:
-        """Before a rebalance moves partitions: the experiences in flight land and are marked,
-        so their next owner's tail scan sees every record this member produced."""
-        self.settle()
+        self.owned: set[int] = set()  # input partitions (sessions = feedback) assigned here
+        self.on_topic: set[str] = set()  # experience ids found by the recovery scan
+        self._scan_due = False
+        self._next_sweep = 0.0
+        self._verdicts_due = -math.inf  # when a stored verdict next settles
 
     def _assigned(self, partitions: set[TopicPartition]) -> None:
-        """A rebalance gave this member `partitions`: it now owns their generations' outbox
-        batches, including any a previous owner left unproduced (the step loads them)."""
-        self._owned = {tp.partition for tp in partitions
-                       if tp.topic == self.kafka.topics.feedback}
-        self._loaded = False
-        self.outbox.clear()
-        self.verdicts.due = -math.inf  # verdicts a previous owner left pending
-
-    def _partition_of(self, generation_id: str) -> int:
-        """The input partition of a generation (sessions and feedback are co-partitioned)."""
-        return partition_for(generation_id.encode(),
-                             self.producer.partitions(self.kafka.topics.feedback))
+        self.owned = {tp.partition for tp in partitions
+                      if tp.topic == self.kafka.topics.feedback}
+        self._scan_due = True  # after this poll: a previous owner's requests have landed
+        self._verdicts_due = -math.inf  # verdicts a previous owner left pending
 
     def run(self, stop: threading.Event) -> JoinStats:
         try:
@@ -189,224 +115,152 @@ class Join:
         return self.stats
 
     def step(self) -> int:
-        """One poll: store and match (one transaction), commit the offsets, send the
-        experiences; the acks of earlier ones are taken on the way (`Outbox`), and waited
-        for when the poll brought nothing to overlap them with. Returns the records handled."""
-        records = self.consumer.poll(
-            timeout_ms=0 if self.outbox.in_flight else self.settings.poll_timeout_ms)
-        if not self._loaded:  # after a poll that (re)joined the group: the previous
-            self.load_outbox()  # owner's in-flight produce requests have landed
-        try:
-            if records:
-                self.absorb(records)
-                self.consumer.commit()  # what depends on the records is stored
-            if self.clock() >= self._next_sweep:
-                self.sweep()
-            elif self.clock() >= self.verdicts.due:
-                self.expand_verdicts()
-            self.outbox.send()
-            self.outbox.settle(block=not records)
-        except BaseException:
-            self.outbox.clear()
-            self._loaded = False  # reload from SQL: nothing stored is forgotten
-            raise
-        if not records:
-            self._write_marks()
-        self.stats.experiences = self.outbox.produced
+        """One poll: consume → match → produce (one transaction), then commit the offsets;
+        the sweep when due. Returns the records handled."""
+        records = self.consumer.poll(timeout_ms=self.settings.poll_timeout_ms)
+        if self._scan_due:
+            self.on_topic = self._produced_after_progress()
+            self._scan_due = False
+        if records:
+            self.absorb(records)
+            self.consumer.commit()  # what depends on the records is stored
+        if self.clock() >= self._next_sweep:
+            self.sweep()
+        elif self.clock() >= self._verdicts_due:
+            self.expand_verdicts()
         self.stats.dead_letters = self.consumer.dead_letters
         return len(records)
 
-    def sweep(self) -> None:
-        """Every `sweep_every_s`: match what two members left pending, expand the settled
-        session verdicts, delete the produced outbox batches, expire what stayed unmatched."""
-        self.rematch()
-        self.expand_verdicts()
-        with writing(self.db) as conn:
-            prune_outbox(conn, self._owned)
-        self.expire()
-        self._next_sweep = self.clock() + self.settings.sweep_every_s
-
-    def settle(self) -> None:
-        """Wait for the experiences in flight, then mark them produced."""
-        self.outbox.settle(block=True)
-        self._write_marks()
-        self.stats.experiences = self.outbox.produced
-
-    def _write_marks(self, conn: Connection | None = None) -> None:
-        """Mark what the broker acked as produced: in `conn`'s transaction, else in one of
-        its own (only if there is something to mark)."""
-        marks = self.outbox.take_marks()
-        if not marks:
-            return
-        if conn is not None:
-            mark_produced(conn, marks.seqs, marks.offsets)
-            return
-        with writing(self.db) as own:
-            mark_produced(own, marks.seqs, marks.offsets)
-
     def absorb(self, records: list[Delivered[Any]]) -> None:
-        """Store sessions and new feedback, and queue an experience per new match: new
-        feedback meets sessions of this poll or stored ones; sessions of this poll meet
-        stored pending feedback. Session verdicts are stored, to be expanded once settled.
-        One transaction, a few set-based statements."""
+        """Store the poll's sessions, new feedback and verdicts, and produce an experience per
+        new match: new feedback meets sessions of this poll or stored ones; sessions of this
+        poll meet stored pending feedback."""
         now = self.clock()
         sessions, feedback, verdicts, received = _split(records)
-        with writing(self.db) as conn:
-            known = existing_ids(conn, JoinFeedback.event_id, feedback)
-            # feedback about one generation: its `key` is the generation_id
-            fresh = [d.event for e, d in feedback.items() if e not in known]
-            matches = {g: Match(d.event, session_members(d.event))
-                       for g, d in sessions.items()}
-            stored = self._stored_matches(conn, {f.key for f in fresh} - set(sessions))
-            matches.update(stored)
-            waiting = claim_waiting(conn, set(sessions))
-            pairs = [(f, matches[f.key]) for f in fresh if f.key in matches]
-            pairs += [(f, matches[f.key]) for f, _ in waiting]
-            matched_generations = {f.key for f, _ in pairs}
-            insert_new(conn, JoinSession, [
-                SessionRow(g, d.raw.decode(), now, g in matched_generations)
-                for g, d in sessions.items()])
+        with self.db.begin() as conn:
+            unseen = store.unseen_feedback(conn, feedback)
+            fresh = [d.event for e, d in feedback.items() if e in unseen]
+            known = {g: d.event for g, d in sessions.items()}
+            known.update(store.stored_sessions(conn, {f.key for f in fresh} - known.keys()))
+            waiting = store.claim_waiting(conn, sessions.keys())
+            pairs = [(f, known[f.key]) for f in fresh if f.key in known]
+            pairs += [(f, known[f.key]) for f, _ in waiting]
+            matched = {s.generation_id for _, s in pairs}
+            store.add_sessions(conn, [
+                store.SessionRow(g, d.raw.decode(), now, g in matched)
+                for g, d in sessions.items()], [d.event for d in sessions.values()])
             # a matched event's payload is never read again: only pending ones keep it
-            insert_new(conn, JoinFeedback, [
-                FeedbackRow(f.event_id, f.key, "", now, MATCHED) if f.key in matches else
-                FeedbackRow(f.event_id, f.key, feedback[f.event_id].raw.decode(), now,
-                            PENDING) for f in fresh])
-            new_verdicts = self.verdicts.absorb(
-                conn, [d.event for d in sessions.values()], list(verdicts.values()), now)
-            newly = [g for g in matched_generations if not matches[g].matched]
-            sessions_matched(conn, set(newly) - set(sessions))
-            for g in newly:
-                matches[g].matched = True
-            self.stats.sessions += len(sessions)
-            self.stats.feedback += len(fresh) + new_verdicts
-            self.stats.verdicts += new_verdicts
-            self.stats.duplicates += received - len(fresh) - new_verdicts
-            raws = {e: d.raw for e, d in feedback.items()}
-            raws.update((f.event_id, raw.encode()) for f, raw in waiting)
-            self._queue(conn, pairs, raws)
-            self._write_marks(conn)
-        self._recent.add({g: matches[g] for g in sessions})
+            store.add_feedback(conn, [store.FeedbackRow(
+                f.event_id, f.key, "" if f.key in known else feedback[f.event_id].raw.decode(),
+                now, store.MATCHED if f.key in known else store.PENDING) for f in fresh])
+            store.sessions_matched(conn, matched - sessions.keys())
+            new_verdicts = store.add_verdicts(
+                conn, [(d.event, d.raw, d.partition) for d in verdicts.values()], now)
+            if new_verdicts:
+                self._verdicts_due = min(self._verdicts_due, now + self.settings.session_settle_s)
+            rewards = self.settings.rewards
+            self._produce(conn, [(self._source(s.generation_id),
+                                  ExperienceReady.of(s, f, reward_for(f, rewards)))
+                                 for f, s in pairs])
+        self.stats.sessions += len(sessions)
+        self.stats.feedback += len(fresh) + len(new_verdicts)
+        self.stats.verdicts += len(new_verdicts)
+        self.stats.duplicates += received - len(fresh) - len(new_verdicts)
 
-    def _stored_matches(self, conn: Connection, generation_ids: set[str]) -> dict[str, Match]:
-        """Stored sessions among `generation_ids`: recent ones from memory, others from SQL."""
-        found = {g: m for g in generation_ids if (m := self._recent.get(g)) is not None}
-        loaded = stored_sessions(conn, generation_ids - set(found))
-        fetched = {g: Match(s, session_members(s), matched)
-                   for g, (s, matched) in loaded.items()}
-        self._recent.add(fetched)
-        return {**found, **fetched}
+    def _produce(self, conn: Connection, experiences: Sequence[tuple[int, ExperienceReady]]
+                 ) -> None:
+        """Produce `experiences` (each with its source: the input partition whose owner makes
+        it) and wait for the acks; record, in `conn`'s transaction, the highest offset acked
+        per source and experiences partition. One the recovery scan found is not sent again."""
+        sending = [(source, x) for source, x in experiences if x.experience_id not in self.on_topic]
+        if not sending:
+            return
+        acked = self.producer.deliver(
+            self.kafka.topics.experiences, [(x.experience_id, encode(x)) for _, x in sending],
+            timeout_s=self.kafka.delivery_timeout_ms / 1000)
+        reached: dict[tuple[int, int], int] = {}
+        for (source, _), meta in zip(sending, acked, strict=True):
+            key = (source, meta.partition)
+            reached[key] = max(reached.get(key, -1), meta.offset)
+        store.record_progress(conn, reached)
+        self.stats.experiences += len(sending)
 
-    def _queue(self, conn: Connection, pairs: list[tuple[FeedbackReceived, Match]],
-               raws: dict[str, bytes] | None = None) -> None:
-        """Store the matches of `pairs` (feedback about one generation) in the outbox, one
-        batch per source (this transaction), and queue their experiences in memory. `raws`:
-        the feedback JSON as received, by event id, where the caller has it."""
-        rewards = self.settings.rewards
-        by_source: dict[int, list[Judged]] = {}
-        sources: dict[str, int] = {}  # per generation: sessions have many feedback events
-        for f, m in pairs:
-            generation_id = m.session.generation_id
-            source = sources.get(generation_id)
-            if source is None:
-                source = sources[generation_id] = self._partition_of(generation_id)
-            by_source.setdefault(source, []).append((f, m, reward_for(f, rewards), None))
-        self._store_batches(conn, by_source, raws or {})
+    def _source(self, generation_id: str) -> int:
+        """The input partition of a generation (sessions and feedback are co-partitioned)."""
+        return partition_for(generation_id.encode(),
+                             self.producer.partitions(self.kafka.topics.feedback))
 
-    def _store_batches(self, conn: Connection, by_source: dict[int, list[Judged]],
-                       raws: dict[str, bytes]) -> None:
-        """One outbox batch per source of `by_source` (and the turns of a session verdict's
-        experiences), in this transaction; their experiences queued in memory."""
-        now = utcnow()
-        joined, stamp = joined_at_member(now), now.timestamp()
-        stored, turn_rows, outgoing = [], [], []
-        for source, batch in by_source.items():
-            if source not in self._seqs:  # a record outside this member's partitions
-                self._seqs.update(last_seqs(conn, [source]))
-            seq = self._seqs[source] = self._seqs[source] + 1
-            feedback, batch_rewards, turns = [], [], []
-            for f, m, reward, turn in batch:
-                raw, generation_id = raws.get(f.event_id), m.session.generation_id
-                feedback.append(raw if raw is not None else encode(f))
-                batch_rewards.append(reward)
-                turns.append(None if turn is None else (generation_id, turn))
-                outgoing.append(Outgoing(source, seq, experience_id_of(f, generation_id),
-                                         (m, f, reward, joined), turn=turn))
-            stored.append(outbox_row(source, seq, feedback, batch_rewards, stamp))
-            if (row := turn_row(source, seq, turns)) is not None:
-                turn_rows.append(row)
-        add_to_outbox(conn, stored, turn_rows)
-        self.outbox.add(outgoing)
-
-    def load_outbox(self) -> None:
-        """Take on the outbox batches of this member's partitions that are not marked
-        produced: those a killed predecessor (or this member, before an error) left. Some of
-        their experiences it may have produced without marking: a scan of the experiences
-        topic from the last offsets acked for those partitions finds them, and they are
-        marked, not produced again. Loaded only once the scan has told them apart: a
-        failed scan leaves the outbox empty and the next step loads again."""
-        owned = sorted(self._owned)
+    def _produced_after_progress(self) -> set[str]:
+        """The experience ids on the topic past the offsets stored for this member's
+        partitions: what a predecessor produced in a transaction that never committed (and
+        whatever others produced since). A source's experiences land on a partition in the
+        order they are produced, so the scan starts, per experiences partition, at the
+        lowest stored offset among the sources (the beginning where one has none)."""
+        if not self.owned:
+            return set()
         with self.db.connect() as conn:
-            self._seqs = last_seqs(conn, owned)
-            matches: dict[str, Match] = {}
-            rows = []
-            for x in unproduced(conn, owned):
-                match = matches.get(x.session.generation_id)
-                if match is None:
-                    match = matches[x.session.generation_id] = Match(
-                        x.session, session_members(x.session), matched=True)
-                rows.append(Outgoing(
-                    x.source, x.seq, experience_id_of(x.feedback, x.session.generation_id),
-                    (match, x.feedback, x.reward,
-                     joined_at_member(datetime.fromtimestamp(x.joined_at, UTC))), turn=x.turn))
-            progress = acked_offsets(conn, owned)
-        if rows:
-            self._skip_produced(rows, progress)
-        self.outbox.add(rows)
-        self._loaded = True
-
-    def _skip_produced(self, rows: list[Outgoing], progress: list[tuple[int, int, int]]
-                       ) -> None:
-        """Mark `produce=False` on the rows found on the experiences topic: a source's
-        unmarked rows were produced after its marked ones, so the scan starts at the earliest
-        acked offset among the sources with rows pending (0 where one has none yet)."""
-        sources = {row.source for row in rows}
-        acked: dict[int, dict[int, int]] = {}
-        for source, partition, offset in progress:
-            acked.setdefault(partition, {})[source] = offset
+            stored = store.progress(conn, self.owned)
+        reached: dict[int, dict[int, int]] = {}
+        for source, partition, offset in stored:
+            reached.setdefault(partition, {})[source] = offset
         count = self.producer.partitions(self.kafka.topics.experiences)
-        starts = {q: min(acked.get(q, {}).get(p, -1) + 1 for p in sources) for q in range(count)}
-        seen = scan_keys(self.kafka, self.kafka.topics.experiences, starts,
-                         {row.experience_id for row in rows})
-        for row in rows:
-            row.produce = row.experience_id not in seen
-        if found := sum(not row.produce for row in rows):
-            log.warning("join: %d experiences were produced before a crash; not again", found)
+        starts = {q: min(reached.get(q, {}).get(s, -1) + 1 for s in self.owned)
+                  for q in range(count)}
+        return scan_keys(self.kafka, self.kafka.topics.experiences, starts)
+
+    def sweep(self) -> None:
+        """Every `sweep_every_s`: match what two members left pending, expand the settled
+        session verdicts, expire what stayed unmatched."""
+        self.rematch()
+        self.expand_verdicts()
+        self.expire()
+        self._next_sweep = self.clock() + self.settings.sweep_every_s
 
     def rematch(self) -> None:
         """Match pending feedback whose session is stored after all. Sessions and feedback are
         co-partitioned (`ingest.log.partition_for`), so one member sees both halves of a
         generation; only while a partition moves between members can each store its half
         before seeing the other's, and this sweep (by the partition's owner) closes that gap."""
-        with writing(self.db) as conn:
-            found = pending_with_sessions(
-                conn, lambda generation_id: self._partition_of(generation_id) in self._owned)
+        with self.db.begin() as conn:
+            found = dict(store.pending_with_sessions(
+                conn, lambda generation_id: self._source(generation_id) in self.owned))
             if not found:
                 return
-            claimed = claim_pending(conn, [f.event_id for f, _ in found])
-            pairs = [(f, Match(s, session_members(s), matched=True)) for f, s in found
-                     if f.event_id in claimed]
-            sessions_matched(conn, {m.session.generation_id for _, m in pairs})
-            self._queue(conn, pairs)
-        self.stats.rematched += len(pairs)
-        if pairs:
-            log.info("join: %d pending feedback events met sessions stored meanwhile",
-                     len(pairs))
+            claimed = store.claim_pending(conn, found)
+            store.sessions_matched(conn, {found[f.event_id].generation_id for f in claimed})
+            rewards = self.settings.rewards
+            self._produce(conn, [(self._source(f.key), ExperienceReady.of(
+                found[f.event_id], f, reward_for(f, rewards))) for f in claimed])
+        self.stats.rematched += len(claimed)
+        if claimed:
+            log.info("join: %d pending feedback events met sessions stored meanwhile", len(claimed))
 
-    def expand_verdicts(self) -> None:
-        """Expand the settled session verdicts of this member's partitions into experiences
-        (`SessionVerdicts.expand`)."""
-        verdicts, _ = self.verdicts.expand(self._owned)
-        self.stats.verdicts_expanded += verdicts
+    def expand_verdicts(self, sources: Collection[int] | None = None) -> tuple[int, int]:
+        """Expand the settled session verdicts of `sources` (default: this member's input
+        partitions) that have generations to judge: claim them and produce one experience
+        per turn (one transaction). Returns (verdicts, experiences)."""
+        now, settle = self.clock(), self.settings.session_settle_s
+        rewards, discount = self.settings.rewards, self.settings.session_discount
+        with self.db.begin() as conn:
+            pending = store.pending_verdicts(conn, self.owned if sources is None else sources)
+            self._verdicts_due = min((p.first_seen + settle for p in pending
+                                      if p.first_seen + settle > now), default=math.inf)
+            due = [p for p in pending if p.first_seen + settle <= now]
+            if not due:
+                return 0, 0
+            by_session = store.session_generations(conn, {p.verdict.key for p in due})
+            stored = store.stored_sessions(conn, {g for ids in by_session.values() for g in ids})
+            plans = {p.verdict.event_id: (p, turn_plan(
+                p.verdict, [stored[g] for g in by_session.get(p.verdict.key, ()) if g in stored],
+                reward_for(p.verdict, rewards), discount)) for p in due}
+            claimed = store.claim_verdicts(conn, [e for e, (_, plan) in plans.items() if plan])
+            experiences = [(p.source, ExperienceReady.of(g, p.verdict, reward, turn=t.turn,
+                                                         turns=t.turns))
+                           for e in claimed for p, plan in [plans[e]] for g, t, reward in plan]
+            store.sessions_matched(conn, {x.generation_id for _, x in experiences})
+            self._produce(conn, experiences)
+        self.stats.verdicts_expanded += len(claimed)
+        return len(claimed), len(experiences)
 
     def expire(self) -> None:
         """Send entries unmatched for `expire_after_s` to the DLQ, then forget them."""
@@ -414,39 +268,31 @@ class Join:
         window = f"{self.settings.expire_after_s:.0f}s"
         topics = self.kafka.topics
         with self.db.connect() as conn:
-            stale_feedback = stale_pending(conn, cutoff)
-            verdicts = stale_verdicts(conn, cutoff)
-            old_sessions = stale_sessions(conn, cutoff)
-            # a session stays while an experience of it waits to be produced (and rebuilt)
-            waiting = awaited_sessions(conn) if old_sessions else set()
-            old_sessions = [row for row in old_sessions if row[0] not in waiting]
+            stale_feedback = store.stale_pending(conn, store.JoinFeedback, cutoff)
+            stale_verdicts = store.stale_pending(conn, store.JoinVerdict, cutoff)
+            old_sessions = store.stale_sessions(conn, cutoff)
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
         letters += [(topics.feedback, s, p, f"unmatched: no generation of session {s} "
-                     f"within {window}") for _, s, p in verdicts]
+                     f"within {window}") for _, s, p in stale_verdicts]
         letters += [(topics.sessions, g, p, f"unmatched: no feedback for generation {g} "
                      f"within {window}") for g, p, matched in old_sessions if not matched]
-        futures = [self.producer.send(topics.dlq, g, DeadLetter.of(
-            topic=topic, raw=p.encode(), key=g.encode(), reason=reason, consumer="join"))
-            for topic, g, p, reason in letters]
-        for future in futures:
-            future.get(timeout=self.kafka.delivery_timeout_ms / 1000)
-        with writing(self.db) as conn:
-            expire_feedback(conn, [e for e, _, _ in stale_feedback])
-            expire_verdicts(conn, [e for e, _, _ in verdicts])
-            forget_sessions(conn, [g for g, _, _ in old_sessions])
-            forget_turns(conn, [g for g, _, _ in old_sessions])
-        self._recent.forget(g for g, _, _ in old_sessions)
+        self.producer.deliver(topics.dlq, [(key, encode(DeadLetter.of(
+            topic=topic, raw=payload.encode(), key=key.encode(), reason=reason,
+            consumer="join"))) for topic, key, payload, reason in letters],
+            timeout_s=self.kafka.delivery_timeout_ms / 1000)
+        with self.db.begin() as conn:
+            store.expire_pending(conn, store.JoinFeedback, [e for e, _, _ in stale_feedback])
+            store.expire_pending(conn, store.JoinVerdict, [e for e, _, _ in stale_verdicts])
+            store.forget_sessions(conn, [g for g, _, _ in old_sessions])
         self.stats.expired_feedback += len(stale_feedback)
-        self.stats.expired_verdicts += len(verdicts)
-        self.stats.expired_sessions += sum(1 for *_, m in old_sessions if not m)
+        self.stats.expired_verdicts += len(stale_verdicts)
+        self.stats.expired_sessions += sum(1 for *_, matched in old_sessions if not matched)
 
     def close(self) -> None:
-        """Let the experiences in flight land and mark them, then close the clients."""
         try:
-            self.settle()
-        finally:
             self.consumer.close()
+        finally:
             self.producer.close()
             self.db.dispose()
 
@@ -468,19 +314,6 @@ def _split(records: list[Delivered[Any]]) -> tuple[
             received += 1
             (feedback if event.session_id is None else verdicts)[event.event_id] = d
     return sessions, feedback, verdicts, received
-
-
-# Python's (700, 10, 10) ran the cyclic collector often enough that scanning the join's
-# long-lived heap (recent sessions, decoded) took about a third of its CPU per event
-_GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def relax_gc() -> None:
-    """Fewer cyclic-GC passes in a join process: it allocates a few container objects per
-    record (decoded events, rows, tuples), nearly all freed by reference counting, while a
-    full pass scans every cached session. `bench/join_member.py --default-gc` measures the
-    difference. Process-wide: called by the process that runs the join, not by `Join`."""
-    gc.set_threshold(*_GC_THRESHOLDS)
 
 
 def run_join(kafka: KafkaConfig, settings: JoinSettings, *, database_url: str,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kafka import (
     ConsumerRebalanceListener,
@@ -25,10 +26,8 @@ from kafka import (
 )
 from kafka.admin import NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import TopicAlreadyExistsError
 from kafka.partitioner.abc import Partitioner
-from kafka.producer.producer_batch import ProducerBatch
-from kafka.record.memory_records import MemoryRecordsBuilder
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ingest.config import KafkaConfig
@@ -63,7 +62,7 @@ def partition_for(key: bytes, partitions: int) -> int:
     `feedback`, both keyed by generation_id and created with the same partition count, are
     co-partitioned: a generation's session and its feedback share a partition number, and the
     join's range assignment hands both to the same member. Cheaper than kafka-python's murmur2
-    (written in Python); producers that send many records per call pass it to `send_many`.
+    (written in Python).
     """
     return zlib.crc32(key) % partitions
 
@@ -84,10 +83,13 @@ class Crc32Partitioner(Partitioner):
 
 
 class EventProducer:
-    """Sends pydantic events as JSON, keyed, with acks=all, idempotence and zstd.
+    """Sends pydantic events as JSON, keyed, with acks=all, idempotence and zstd: the one
+    producer seam of Flywheel (the session log, the feedback intake, the join, the release
+    pipeline), over kafka-python's public API.
 
-    Batches hold up to `batch_size` bytes per partition, so a group of records queued at once
-    (the feedback intake, the join's outbox) travels in one batch per partition.
+    `send` queues one record and returns kafka-python's future; `deliver` sends many and
+    waits until the broker acknowledged each one. Batches hold up to `batch_size` bytes per
+    partition, so records queued together travel in one batch per partition.
     """
 
     def __init__(self, config: KafkaConfig, *, client_id: str = "flywheel",
@@ -100,98 +102,27 @@ class EventProducer:
             batch_size=batch_size, partitioner=Crc32Partitioner(),
             request_timeout_ms=config.request_timeout_ms,
             delivery_timeout_ms=config.delivery_timeout_ms,
-            max_block_ms=config.request_timeout_ms)
+            max_block_ms=config.request_timeout_ms,
+            # give up on an unreachable broker after the request timeout, not 30 s
+            bootstrap_timeout_ms=config.request_timeout_ms)
 
     def send(self, topic: str, key: str | bytes | None, event: BaseModel) -> Any:
         """Queue one event; returns kafka-python's future (`.get()` waits for the ack)."""
         return self.send_raw(topic, key, encode(event))
 
-    def send_raw(self, topic: str, key: str | bytes | None, value: bytes, *,
-                 partition: int | None = None) -> Any:
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes) -> Any:
         key_bytes = key.encode("utf-8") if isinstance(key, str) else key
-        return self._producer.send(topic, key=key_bytes, value=value, partition=partition)
+        return self._producer.send(topic, key=key_bytes, value=value)
 
-    def send_many(self, topic: str,
-                  records: Sequence[tuple[int, bytes, bytes]]) -> list[Queued]:
-        """Queue many (partition, key, value) records; returns where each went (`Queued`).
-
-        The same batches, acks and retries as `send_raw`, for a fraction of its cost: keys and
-        values must be bytes and each partition one that `partitions(topic)` counted. Appends
-        straight to kafka-python's accumulator (its internal API, pinned with the package),
-        each partition's records under one lock, with one timestamp, and without a future per
-        record: a record's ack is its batch's (`wait`), its offset the batch's base offset
-        plus its position (`offset`). Per-record futures and their completion callbacks were a
-        sixth of the feedback endpoint's CPU. Wakes the sender once.
-
-        A batch the broker refuses as too large (a topic whose max.message.bytes is below
-        `batch_size`) is split and resent by kafka-python under new futures, so `wait` reports
-        it as not acked: the caller retries, and its consumers' dedupe absorbs the copy.
-        """
-        count = self.partitions(topic)  # metadata for `topic` is loaded from here on
-        accumulator = self._producer._accumulator
-        config = accumulator.config
-        by_partition: dict[int, list[int]] = {}
-        for i, (partition, _, _) in enumerate(records):
-            by_partition.setdefault(partition, []).append(i)
-        queued: list[Queued] = [None] * len(records)  # type: ignore[list-item]
-        now, stamp = time.monotonic(), int(time.time() * 1000)
-        accumulator._appends_in_progress.increment()
-        try:
-            for partition, indices in by_partition.items():
-                if not 0 <= partition < count:
-                    raise ValueError(f"{topic!r} has no partition {partition}")
-                tp = TopicPartition(topic, partition)
-                with accumulator._tp_lock(tp):
-                    if accumulator._closed:
-                        raise KafkaError("the producer is closed")
-                    batches = accumulator._batches[tp]
-                    batch: Any = batches[-1] if batches else None
-                    for i in indices:
-                        _, key, value = records[i]
-                        meta = (batch.records.append(stamp, key, value, [])
-                                if batch is not None else None)
-                        if meta is None:  # no open batch, or it is full: a new one
-                            batch = ProducerBatch(tp, MemoryRecordsBuilder(
-                                config["message_version"], config["compression_attrs"],
-                                config["batch_size"]), now=now)
-                            meta = batch.records.append(stamp, key, value, [])
-                            batches.append(batch)
-                            accumulator._incomplete.add(batch)
-                        batch.max_record_size = max(batch.max_record_size, meta.size)
-                        batch.last_append = now
-                        queued[i] = Queued(batch.produce_future, meta.offset)
-        finally:
-            accumulator._appends_in_progress.decrement()
-        self._producer._sender.wakeup()
-        return queued
-
-    @staticmethod
-    def wait(queued: Sequence[Queued], timeout_s: float) -> None:
-        """Wait for the acks of `send_many`'s records; raise the broker's error for any that
-        failed (KafkaTimeoutError if one is not acked within `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
-        partial = set()  # batches the broker acked with per-record errors
-        for future in {id(q.batch): q.batch for q in queued}.values():
-            if not future.wait(max(0.0, deadline - time.monotonic())):
-                raise KafkaTimeoutError(f"no ack for {future.topic_partition} in {timeout_s}s")
-            if future.failed():
-                raise future.exception
-            if future.value[2] is not None:
-                partial.add(id(future))
-        for future, position in queued:
-            if id(future) in partial:
-                raise future.value[2](position)
-
-    @staticmethod
-    def acked(queued: Sequence[Queued]) -> bool:
-        """Whether the broker answered for every one of `send_many`'s records (acked or
-        failed): `wait` then returns, or raises, at once."""
-        return all(future.is_done for future in {id(q.batch): q.batch for q in queued}.values())
-
-    @staticmethod
-    def offset(queued: Queued) -> int:
-        """The offset of an acked record of `send_many` (after `wait`)."""
-        return int(queued.batch.value[0]) + queued.position
+    def deliver(self, topic: str, records: Iterable[tuple[str | bytes, bytes]], *,
+                timeout_s: float) -> list[Any]:
+        """Send (key, value) records and wait until the broker has acknowledged every one;
+        returns their RecordMetadata (partition, offset), in order. Raises the broker's error
+        for the first that failed, KafkaTimeoutError past `timeout_s`: the caller retries,
+        and consumers dedupe the copies by key."""
+        futures = [self.send_raw(topic, key, value) for key, value in records]
+        self.flush(timeout_s)  # no linger: the records sent together are the batch
+        return [future.get(timeout=0) for future in futures]
 
     def partitions(self, topic: str) -> int:
         """How many partitions `topic` has (asked once, then remembered)."""
@@ -209,14 +140,13 @@ class EventProducer:
     def close(self, timeout_s: float = 10.0) -> None:
         self._producer.close(timeout=timeout_s)
 
-
-class Queued(NamedTuple):
-    """Where `EventProducer.send_many` put a record: its batch's future (kafka-python's
-    FutureProduceResult, resolved with the batch's base offset when the broker acks it) and
-    the record's position in that batch."""
-
-    batch: Any
-    position: int
+    def abandon(self) -> None:
+        """Let go of this producer without waiting: a background thread closes it once what
+        it holds is acknowledged or expired (within the delivery timeout). For a producer
+        whose batches expired: the idempotent producer does not recover from that, even once
+        the broker is back, so its owner makes a new one."""
+        threading.Thread(target=self._producer.close, name="producer-close", daemon=True,
+                         kwargs={"timeout": self.config.delivery_timeout_ms / 1000}).start()
 
 
 @dataclass(frozen=True)

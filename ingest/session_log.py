@@ -20,55 +20,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged, encode
-from ingest.log import Crc32Partitioner
+from ingest.log import EventProducer
 from ingest.spool import Spool, SpoolRecord
 
 log = logging.getLogger(__name__)
-
-
-class Producer(Protocol):
-    def send_raw(self, topic: str, key: str, value: bytes) -> Any: ...
-    def flush(self, timeout_s: float) -> None: ...
-    def abandon(self) -> None: ...
-
-
-class SessionProducer:
-    """`ingest.log.EventProducer`'s settings (acks=all, idempotence, zstd), plus what an outage
-    needs: bootstrap gives up after the request timeout (kafka-python waits 30 s by default),
-    and `abandon` really stops a producer whose batches expired (once a batch expires the
-    idempotent producer does not recover, even after the broker returns)."""
-
-    def __init__(self, config: KafkaConfig) -> None:
-        self._producer = KafkaProducer(
-            bootstrap_servers=config.bootstrap, client_id="flywheel-session-log", acks="all",
-            enable_idempotence=True, compression_type="zstd", linger_ms=config.linger_ms,
-            partitioner=Crc32Partitioner(), request_timeout_ms=config.request_timeout_ms,
-            delivery_timeout_ms=config.delivery_timeout_ms,
-            max_block_ms=config.request_timeout_ms,
-            bootstrap_timeout_ms=config.request_timeout_ms)
-
-    def send_raw(self, topic: str, key: str, value: bytes) -> Any:
-        return self._producer.send(topic, key=key.encode("utf-8"), value=value)
-
-    def flush(self, timeout_s: float) -> None:
-        self._producer.flush(timeout=timeout_s)
-
-    def abandon(self) -> None:
-        try:
-            self._producer.close(timeout=0)
-        except KafkaError:  # close() flushes first and raises before it force-closes
-            sender = getattr(self._producer, "_sender", None)
-            if sender is not None:
-                sender.force_close()
 
 
 @dataclass(frozen=True)
@@ -85,16 +46,14 @@ class SessionLog:
     """Bounded queue -> Kafka, spilling to `spool` while Kafka is unreachable (module doc)."""
 
     def __init__(self, config: KafkaConfig, spool: Spool, *, max_queue: int = 10_000,
-                 batch_size: int = 256, retry_s: float = 0.5,
-                 producer_factory: Callable[[], Producer] | None = None) -> None:
+                 batch_size: int = 256, retry_s: float = 0.5) -> None:
         self.config = config
         self.topic = config.topics.sessions
         self.spool = spool
         self._queue: queue.Queue[GenerationLogged] = queue.Queue(maxsize=max_queue)
         self._batch_size = batch_size
         self._retry_s = retry_s
-        self._new_producer = producer_factory or (lambda: SessionProducer(config))
-        self._producer: Producer | None = None
+        self._producer: EventProducer | None = None
         self._stop = threading.Event()
         self._counts = threading.Lock()
         self._inflight = 0
@@ -195,7 +154,7 @@ class SessionLog:
         """Produce `records` and wait for their acks; return those not acknowledged."""
         try:
             if self._producer is None:
-                self._producer = self._new_producer()
+                self._producer = EventProducer(self.config, client_id="flywheel-session-log")
             futures = [self._producer.send_raw(r.topic, r.key, r.value) for r in records]
             self._producer.flush(timeout_s=self.config.delivery_timeout_ms / 1000 + 1)
         except (KafkaError, OSError) as exc:

@@ -46,7 +46,6 @@ from kernels.bi_ops import (
     bi_softmax,
     triton_kernels,
 )
-from kernels.moe_replay import is_topk_router
 
 EXPERT_COLS = 16  # expert segments hold a multiple of this many tokens (see bi_experts_forward)
 IMPLEMENTATION = "flywheel_batch_invariant"  # name registered in transformers' interfaces
@@ -214,6 +213,12 @@ def disable_batch_invariant(model: nn.Module) -> nn.Module:
     config._experts_implementation = state.experts_implementation
     setattr(model, _STATE_ATTR, None)
     return model
+
+
+def is_topk_router(module: nn.Module) -> bool:
+    """transformers' MoE routers (``*TopKRouter``), which return (logits, weights, indices)."""
+    name = type(module).__name__
+    return name.endswith("TopKRouter") and hasattr(module, "top_k") and hasattr(module, "weight")
 
 
 def is_batch_invariant(model: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.batch_invariant import is_batch_invariant, is_topk_router
 from kernels.bi_ops import bi_row_sum, bi_softmax
 
 NO_ROUTE = -1  # in a replay tensor: no record for this token/layer, the router chooses itself
@@ -36,12 +37,6 @@ NO_ROUTE = -1  # in a replay tensor: no record for this token/layer, the router 
 
 class RouteShapeError(ValueError):
     """A replay tensor does not line up with the tokens or the routers of the forward."""
-
-
-def is_topk_router(module: nn.Module) -> bool:
-    """transformers' MoE routers (``*TopKRouter``), which return (logits, weights, indices)."""
-    name = type(module).__name__
-    return name.endswith("TopKRouter") and hasattr(module, "top_k") and hasattr(module, "weight")
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
@@ -185,8 +180,6 @@ def replay_routes(model: nn.Module, routes: torch.Tensor) -> Iterator[RouteRepla
     routes (B, T, L, K) integer, aligned with the forward's input_ids (B, T); entries equal to
     ``NO_ROUTE`` (-1), e.g. padding or the final token, keep the router's own choice.
     """
-    from kernels.batch_invariant import is_batch_invariant  # here: that module imports this one
-
     routers = find_routers(model)
     replayer = RouteReplayer(routes, len(routers))
     # prepend: replay rewrites the output before capture hooks see it, whatever the nesting order

@@ -316,10 +316,3 @@ def _maybe_replay(model: Any, routes: torch.Tensor | None) -> Any:
     from kernels.moe_replay import replay_routes
 
     return replay_routes(model, routes)
-
-
-def run_online(settings: Any, **kwargs: Any) -> Any:
-    """The `flywheel train-online` process body (trainer/online_loop.py)."""
-    from trainer.online_loop import run_online as run
-
-    return run(settings, **kwargs)

@@ -20,10 +20,10 @@ from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import JSON, Column, Engine
-from sqlmodel import Field, Session, SQLModel, col, create_engine, select
+from sqlmodel import Field, Session, SQLModel, col, select
 
 from ingest.events import utcnow
-from ingest.sql_tables import create_tables
+from ingest.sql import create_tables, open_database
 
 CommandKind = Literal["pause", "resume", "release"]
 STATUS_ROW = 1
@@ -56,16 +56,16 @@ class TrainerStatus(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow)
 
 
+CONTROL_TABLES = [TrainerCommand.__table__, TrainerStatus.__table__]  # type: ignore[attr-defined]
+
+
 def ensure_control_tables(db: Engine) -> Engine:
-    tables = [TrainerCommand.__table__, TrainerStatus.__table__]  # type: ignore[attr-defined]
-    create_tables(db, tables)
+    create_tables(db, CONTROL_TABLES)
     return db
 
 
 def open_control_db(url: str) -> Engine:
-    connect_args = {"check_same_thread": False} if url.startswith("sqlite") else {}
-    return ensure_control_tables(create_engine(url, connect_args=connect_args,
-                                               pool_pre_ping=True))
+    return open_database(url, CONTROL_TABLES)
 
 
 def enqueue_command(db: Engine, kind: CommandKind, *, requested_by: str = "admin",

@@ -1,54 +1,30 @@
 """The join on the real broker and real SQLite: matches in either order, dedupes, rewards,
 expires to the DLQ, dead-letters undecodable records, and survives a crash between produce and
-mark without producing twice."""
+commit without producing twice."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import get_args
 
 import numpy as np
 import pytest
 
+from bench.feedback import synthetic_session
 from ingest.config import KafkaConfig, RewardMap
 from ingest.events import (
     DeadLetter,
     ExperienceReady,
     FeedbackKind,
     FeedbackReceived,
-    GenerationLogged,
-    PackedArray,
-    SamplingParams,
     experience_id_for,
-)
-from ingest.experience_json import (
-    SPLICED_FIELDS,
-    build_experience,
-    experience_json,
-    joined_at_member,
-    session_members,
 )
 from ingest.join import Join
 from ingest.log import EventProducer, read_all
 from ingest.rewards import reward_for
 from tests.ingest.conftest import Clock
-
-
-def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
-                      top_k: int = 2) -> GenerationLogged:
-    """A valid GenerationLogged with random tokens, logprobs and routes."""
-    p, t = int(rng.integers(4, 12)), int(rng.integers(1, 10))
-    return GenerationLogged(
-        generation_id=generation_id, request_id=generation_id, model_version=0,
-        model_sha256="ab" * 32, prompt_token_ids=PackedArray.pack(rng.integers(0, 500, p), "int32"),
-        completion_token_ids=PackedArray.pack(rng.integers(0, 500, t), "int32"),
-        logprobs=PackedArray.pack(-rng.random(t), "float32"),
-        routed_experts=PackedArray.pack(rng.integers(0, 8, (p + t - 1, layers, top_k)), "int16"),
-        sampling=SamplingParams(temperature=0.8, max_tokens=t), finish_reason="length",
-        latency_ms=3.0)
 
 
 def run_until(join: Join, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -148,7 +124,7 @@ def test_undecodable_records_go_to_the_dlq_and_the_join_goes_on(
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
-def test_a_crash_between_produce_and_mark_does_not_produce_twice(
+def test_a_crash_between_produce_and_commit_does_not_produce_twice(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join]) -> None:
     events = [feedback("gen-c"), feedback("gen-c", "reject")]
     for event in events:
@@ -157,29 +133,27 @@ def test_a_crash_between_produce_and_mark_does_not_produce_twice(
     producer.send(kafka.topics.sessions, "gen-c", session)
     producer.flush()
     first = make_join()
-    first.outbox.send = lambda: None  # type: ignore[method-assign]  # crash before producing
-    run_until(first, lambda: first.stats.feedback == 2)
-    # the predecessor got one of the two out before dying, unmarked
-    from ingest.join_state import unproduced
+    deliver = first.producer.deliver
 
-    with first.db.connect() as conn:
-        stored = unproduced(conn, range(first.producer.partitions(kafka.topics.feedback)))
-    assert [(x.feedback.event_id, x.session.generation_id, x.reward) for x in stored] == [
-        (e.event_id, "gen-c", reward_for(e, first.settings.rewards)) for e in events]
-    assert len({(x.source, x.seq) for x in stored}) == 1  # one batch: one poll, one partition
-    producer.send(kafka.topics.experiences, experience_id_for(events[0].event_id),
-                  build_experience(session, events[0], stored[0].reward)).get(timeout=10)
+    def die_after_the_first_ack(topic: str, records: object, *, timeout_s: float) -> object:
+        if topic == kafka.topics.experiences:  # the broker has the first, SQL nothing of it
+            deliver(topic, list(records)[:1], timeout_s=timeout_s)  # type: ignore[call-overload]
+            raise RuntimeError("killed before the commit")
+        return deliver(topic, records, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    first.producer.deliver = die_after_the_first_ack  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed before the commit"):
+        run_until(first, lambda: False)
     first.close()
     second = make_join()
-    run_until(second, lambda: second.stats.experiences == 1, timeout_s=40)
+    run_until(second, lambda: second.stats.experiences == 1, timeout_s=40)  # the other is there
     experiences = read_all(kafka, kafka.topics.experiences, ExperienceReady)
     assert sorted(x.experience_id for x in experiences) == sorted(
         experience_id_for(e.event_id) for e in events)
-    # the second was rebuilt from the stored session and feedback
-    [rebuilt] = [x for x in experiences if x.experience_id == experience_id_for(
-        events[1].event_id)]
-    expected = build_experience(session, events[1], reward_for(events[1], second.settings.rewards))
-    assert rebuilt.model_dump(exclude={"joined_at"}) == expected.model_dump(exclude={"joined_at"})
+    for x in experiences:  # the one made again is the one the first would have made
+        [e] = [e for e in events if e.event_id == x.feedback_event_ids[0]]
+        expected = ExperienceReady.of(session, e, reward_for(e, second.settings.rewards))
+        assert x.model_dump(exclude={"joined_at"}) == expected.model_dump(exclude={"joined_at"})
 
 
 def test_sessions_and_feedback_of_a_generation_share_a_partition(
@@ -187,9 +161,8 @@ def test_sessions_and_feedback_of_a_generation_share_a_partition(
     """The session log and the intake place a generation's records on one partition number,
     which the join's range assignment gives to one member."""
     from ingest.log import partition_for
-    from ingest.session_log import SessionProducer
 
-    sessions = SessionProducer(kafka)
+    sessions = EventProducer(kafka, client_id="flywheel-session-log")
     try:
         for i in range(12):
             g = f"gen-p{i}-{uuid.uuid4().hex[:6]}"
@@ -198,7 +171,7 @@ def test_sessions_and_feedback_of_a_generation_share_a_partition(
             expected = partition_for(g.encode(), producer.partitions(kafka.topics.feedback))
             assert meta_s.partition == meta_f.partition == expected
     finally:
-        sessions.abandon()
+        sessions.close()
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
@@ -207,7 +180,7 @@ def test_the_sweep_matches_feedback_whose_session_another_member_stored(
         clock: Clock) -> None:
     """Two members can each store their half of a generation while its partition moves
     between them; the sweep joins the halves, once, even when both members sweep."""
-    from ingest.join_state import JoinSession, SessionRow, insert_new
+    from ingest.join_store import SessionRow, add_sessions
 
     event = feedback("gen-r")
     producer.send(kafka.topics.feedback, "gen-r", event).get(timeout=10)
@@ -216,8 +189,7 @@ def test_the_sweep_matches_feedback_whose_session_another_member_stored(
     assert first.stats.experiences == 0
     session = synthetic_session("gen-r", np.random.default_rng(6))
     with second.db.begin() as conn:  # the other member stored the session, saw no feedback
-        insert_new(conn, JoinSession,
-                   [SessionRow("gen-r", session.model_dump_json(), clock(), False)])
+        add_sessions(conn, [SessionRow("gen-r", session.model_dump_json(), clock(), False)], [])
     clock.now += 10  # past sweep_every_s: the next step sweeps
     first.step()
     second.step()
@@ -235,29 +207,8 @@ def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
 
     topic = kafka.topics.experiences
     keys = [f"scan-{i}-{uuid.uuid4().hex[:6]}" for i in range(1200)]
-    queued = producer.send_many(topic, [(0, k.encode(), b"{}") for k in keys])
-    producer.flush()
-    producer.wait(queued, 10)
-    start = producer.offset(queued[0])
-    assert scan_keys(kafka, topic, {0: start}) >= set(keys)
-    assert scan_keys(kafka, topic, {0: start}, wanted=set(keys[:10])) >= set(keys[:10])
-
-
-@pytest.mark.parametrize("kind, value, stop, routed", [
-    ("accept", None, [], True), ("edit_kept", 0.25, ['"created_at":', "\\n"], False),
-    ("thumbs_down", -3.5e-7, ["é ünïcode"], True)])
-def test_spliced_experience_json_decodes_to_the_built_experience(
-        kind: str, value: float | None, stop: list[str], routed: bool) -> None:
-    session = synthetic_session('gen-"s"\\ é', np.random.default_rng(5))
-    session = session.model_copy(update={
-        "sampling": session.sampling.model_copy(update={"stop": stop}),
-        "routed_experts": session.routed_experts if routed else None})
-    fb = feedback('gen-"s"\\ é', kind, value=value)
-    fb = fb.model_copy(update={"event_id": fb.event_id + '"\\ ü\n'})
-    reward = reward_for(fb, RewardMap())
-    joined = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
-    spliced = ExperienceReady.model_validate_json(experience_json(
-        session, session_members(session), fb, reward, joined_at_member(joined)))
-    built = build_experience(session, fb, reward)
-    assert spliced == built.model_copy(update={"joined_at": joined})
-    assert SPLICED_FIELDS == set(ExperienceReady.model_fields)  # a new field must be spliced
+    starts: dict[int, int] = {}
+    for meta in producer.deliver(topic, [(k, b"{}") for k in keys], timeout_s=10):
+        starts[meta.partition] = min(starts.get(meta.partition, meta.offset), meta.offset)
+    assert scan_keys(kafka, topic, starts) >= set(keys)
+    assert scan_keys(kafka, topic, starts, wanted=set(keys[:10])) >= set(keys[:10])

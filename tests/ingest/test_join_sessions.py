@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
+from bench.feedback import synthetic_session
 from ingest.config import KafkaConfig
 from ingest.events import (
     DeadLetter,
@@ -20,19 +21,12 @@ from ingest.events import (
     GenerationLogged,
     experience_id_for,
 )
-from ingest.experience_json import (
-    Turn,
-    build_experience,
-    experience_json,
-    joined_at_member,
-    session_members,
-)
 from ingest.join import Join
-from ingest.join_sessions import covered_turns, turn_plan
+from ingest.join_sessions import Turn, covered_turns, turn_plan
 from ingest.log import EventProducer, read_all
 from ingest.rewards import turn_rewards
 from tests.ingest.conftest import Clock
-from tests.ingest.test_join import run_until, synthetic_session
+from tests.ingest.test_join import run_until
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -71,18 +65,6 @@ def test_turn_rewards_are_discounted_back_from_the_outcome() -> None:
     plan = turn_plan(verdict("s"), [turn("g2", "s", 2), turn("g1", "s", 1)], -1.0, 0.5)
     assert [(g.generation_id, t, r) for g, t, r in plan] == [
         ("g1", Turn(0, 2), -0.5), ("g2", Turn(1, 2), -1.0)]
-
-
-def test_spliced_json_of_a_turn_decodes_to_the_built_experience() -> None:
-    session = turn('gen-"t"', 's-"é"', 5)
-    v = verdict('s-"é"', "edit_kept", value=0.5)
-    joined = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    spliced = ExperienceReady.model_validate_json(experience_json(
-        session, session_members(session), v, 0.125, joined_at_member(joined), Turn(1, 4)))
-    built = build_experience(session, v, 0.125, Turn(1, 4))
-    assert spliced == built.model_copy(update={"joined_at": joined})
-    assert (built.session_id, built.turn, built.turns) == ('s-"é"', 1, 4)
-    assert built.experience_id == experience_id_for(v.event_id, 'gen-"t"')
 
 
 def produce(producer: EventProducer, kafka: KafkaConfig, *events: object) -> None:
@@ -182,10 +164,8 @@ def test_two_members_never_both_expand_a_verdict(
     second = make_join()
     clock.now += 3
     everything = range(first.producer.partitions(kafka.topics.feedback))
-    assert second.verdicts.expand(everything) == (1, 2)
-    second.outbox.send()
-    second.settle()
-    assert first.verdicts.expand(everything) == (0, 0)
+    assert second.expand_verdicts(everything) == (1, 2)
+    assert first.expand_verdicts(everything) == (0, 0)
     first.expand_verdicts()
     assert first.stats.verdicts_expanded == 0
     got = experiences(kafka)
@@ -193,32 +173,33 @@ def test_two_members_never_both_expand_a_verdict(
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
-def test_a_crash_between_produce_and_mark_does_not_produce_a_turn_twice(
+def test_a_crash_between_produce_and_commit_does_not_produce_a_turn_twice(
         kafka: KafkaConfig, producer: EventProducer, make_join: Callable[..., Join],
         clock: Clock) -> None:
     turns = [turn(f"g-crash-{k}", "s-crash", k, seed=k) for k in range(3)]
     v = verdict("s-crash", "reject")
     produce(producer, kafka, *turns, v)
     first = make_join()
-    first.outbox.send = lambda: None  # type: ignore[method-assign]  # crash before producing
+    deliver = first.producer.deliver
+
+    def die_after_the_middle_turn(topic: str, records: object, *, timeout_s: float) -> object:
+        if topic == kafka.topics.experiences:  # the broker has one turn, SQL nothing of it
+            deliver(topic, list(records)[1:2], timeout_s=timeout_s)  # type: ignore[call-overload]
+            raise RuntimeError("killed before the commit")
+        return deliver(topic, records, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    first.producer.deliver = die_after_the_middle_turn  # type: ignore[method-assign]
     run_until(first, lambda: first.stats.verdicts == 1 and first.stats.sessions == 3)
     clock.now += 3
-    run_until(first, lambda: first.stats.verdicts_expanded == 1)
-    from ingest.join_state import unproduced
-
-    with first.db.connect() as conn:
-        stored = unproduced(conn, range(first.producer.partitions(kafka.topics.feedback)))
-    assert [(x.feedback.event_id, x.session.generation_id, x.turn, x.reward) for x in stored] == [
-        (v.event_id, g.generation_id, Turn(k, 3), -1.0) for k, g in enumerate(turns)]
-    # the predecessor got the middle turn out before dying, unmarked
-    producer.send(kafka.topics.experiences, experience_id_for(v.event_id, "g-crash-1"),
-                  build_experience(turns[1], v, -1.0, Turn(1, 3))).get(timeout=10)
+    with pytest.raises(RuntimeError, match="killed before the commit"):
+        run_until(first, lambda: False)
     first.close()
     second = make_join()
-    run_until(second, lambda: second.stats.experiences == 2, timeout_s=40)
+    run_until(second, lambda: second.stats.verdicts_expanded == 1, timeout_s=40)
+    assert second.stats.experiences == 2  # the middle turn was on the topic already
     got = experiences(kafka)
     assert sorted(x.experience_id for x in got) == sorted(
         experience_id_for(v.event_id, g.generation_id) for g in turns)
-    for k, x in enumerate(got):  # rebuilt from the stored verdict, sessions and turns
-        expected = build_experience(turns[k], v, -1.0, Turn(k, 3))
+    for k, x in enumerate(got):  # each as the first would have made it
+        expected = ExperienceReady.of(turns[k], v, -1.0, turn=k, turns=3)
         assert x.model_dump(exclude={"joined_at"}) == expected.model_dump(exclude={"joined_at"})

@@ -56,28 +56,24 @@ def test_consumer_decodes_commits_and_dead_letters(kafka: KafkaConfig) -> None:
     producer.close()
 
 
-def test_send_many_lands_each_record_on_its_partition_in_order(kafka: KafkaConfig) -> None:
-    topic = f"send-many-{uuid.uuid4().hex[:6]}"
+def test_deliver_lands_each_record_on_its_key_partition_in_order(kafka: KafkaConfig) -> None:
+    topic = f"deliver-{uuid.uuid4().hex[:6]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
     admin.create_topics([NewTopic(topic, 3, 1)])
     admin.close()
     producer = EventProducer(kafka)
     assert producer.partitions(topic) == 3
     events = [feedback(i) for i in range(300)]
-    records = [(partition_for(e.generation_id.encode(), 3), e.generation_id.encode(), encode(e))
-               for e in events]
-    queued = producer.send_many(topic, records)
-    producer.flush()
-    producer.wait(queued, 10)
-    assert [q.batch.topic_partition.partition for q in queued] == [p for p, _, _ in records]
-    offsets = [producer.offset(q) for q in queued]
+    records = [(e.generation_id.encode(), encode(e)) for e in events]
+    acked = producer.deliver(topic, records, timeout_s=10)
+    assert [m.partition for m in acked] == [partition_for(k, 3) for k, _ in records]
     for partition in range(3):  # offsets follow the order of the call within a partition
-        mine = [o for o, (p, _, _) in zip(offsets, records, strict=True) if p == partition]
+        mine = [m.offset for m in acked if m.partition == partition]
         assert mine == sorted(mine) and len(set(mine)) == len(mine)
     producer.close()
     got = read_raw(kafka, topic)
-    assert sorted(value for _, value in got) == sorted(value for _, _, value in records)
-    # each record at the offset its handle names (read back per partition, in order)
+    assert sorted(value for _, value in got) == sorted(value for _, value in records)
+    # each record at the offset its metadata names (read back per partition, in order)
     consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
     try:
         tps = [TopicPartition(topic, p) for p in range(3)]
@@ -90,4 +86,4 @@ def test_send_many_lands_each_record_on_its_partition_in_order(kafka: KafkaConfi
                 at.update(((tp.partition, r.offset), r.value) for r in recs)
     finally:
         consumer.close()
-    assert all(at[(p, o)] == v for (p, _, v), o in zip(records, offsets, strict=True))
+    assert all(at[(m.partition, m.offset)] == v for (_, v), m in zip(records, acked, strict=True))

@@ -8,9 +8,9 @@ from sqlalchemy import create_engine, inspect
 from sqlmodel import SQLModel
 
 import app.db  # noqa: F401  # registers the API's tables
-import ingest.join_state  # noqa: F401  # the join's
+import ingest.join_store  # noqa: F401  # the join's
 import trainer.online_control  # noqa: F401  # the online trainer's control tables
-from ingest.sql_tables import create_tables
+from ingest.sql import create_tables
 
 
 def test_processes_starting_together_create_the_tables_once(postgres_schema: str) -> None:

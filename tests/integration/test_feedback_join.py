@@ -28,6 +28,7 @@ from pydantic import SecretStr
 
 from app.settings import Settings
 from app.stack import running_stack
+from bench.feedback import synthetic_session
 from ingest.config import KafkaConfig, RewardMap
 from ingest.events import (
     DeadLetter,
@@ -39,7 +40,6 @@ from ingest.events import (
 from ingest.log import EventProducer, read_raw
 from ingest.rewards import reward_for
 from ingest.signing import SIGNATURE_HEADER, sign
-from tests.ingest.test_join import synthetic_session
 
 pytestmark = pytest.mark.integration
 SECRET = "integration-secret"
