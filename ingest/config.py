@@ -16,7 +16,6 @@ class TopicSettings(BaseModel):
     feedback: str = "feedback"
     experiences: str = "experiences"
     releases: str = "releases"
-    rollouts: str = "rollouts"
     dlq: str = "dlq"
     # 6 divides evenly among 1, 2, 3 or 6 consumers: with 3, a second join member got one
     # partition to the first's two, and two members ran 1.2-1.5x one
@@ -24,8 +23,7 @@ class TopicSettings(BaseModel):
     replication_factor: int = Field(default=1, ge=1, le=7)
 
     def names(self) -> list[str]:
-        return [self.sessions, self.feedback, self.experiences, self.releases, self.rollouts,
-                self.dlq]
+        return [self.sessions, self.feedback, self.experiences, self.releases, self.dlq]
 
 
 class KafkaClientSettings(BaseModel):

@@ -88,7 +88,7 @@ def kafka(broker: EmbeddedBroker) -> KafkaConfig:
     settings = Settings()
     topics = settings.topics.model_copy(update={
         name: f"{getattr(settings.topics, name)}-{suffix}"
-        for name in ("sessions", "feedback", "experiences", "releases", "rollouts", "dlq")})
+        for name in ("sessions", "feedback", "experiences", "releases", "dlq")})
     config = Settings(topics=topics).kafka_config(broker.bootstrap)
     ensure_topics(config)
     return config
