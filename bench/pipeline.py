@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import random
 
+    from bench.common import bench_start
     from simulate.rollouts import SandboxCache, pass_rate
-    from trainer.midtrain import bench_start
     from trainer.offline import evaluate, mean_reward, run_grpo
     from trainer.rollout_workers import make_engine
 

@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings()
 
 
+    from bench.common import bench_start
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.midtrain import bench_start
     from trainer.rollout_workers import build_harness, make_engine
 
     cfg = settings.bootstrap

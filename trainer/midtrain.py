@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
     from simulate.tasks import TaskSource
     from trainer.bootstrap_config import BootstrapSettings
-    from trainer.config import TinyMoeSettings
 
 
 def demonstration_call(task: Task) -> str:
@@ -134,19 +133,6 @@ def midtrained_start(cfg: BootstrapSettings, model_dir: Path, *,
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr)
     midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), steps=steps)
     return MidTrainedStart(model_dir, policy.state_dict(), train, held_out, steps)
-
-
-def bench_start(cfg: BootstrapSettings, model: TinyMoeSettings, model_dir: Path | None, *,
-                steps: int | None = None) -> MidTrainedStart:
-    """The benches' common start: `cfg.torch_threads`, the model in `model_dir` (or one built
-    from `model` in a temp dir), then `midtrained_start`."""
-    import torch
-
-    from trainer.init_model import init_model
-
-    torch.set_num_threads(cfg.torch_threads)
-    model_dir = model_dir or init_model(model, Path(tempfile.mkdtemp()) / "base")
-    return midtrained_start(cfg, model_dir, steps=steps)
 
 
 def held_back(task: Task, fraction: float) -> bool:

@@ -163,10 +163,6 @@ def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, sa
     return sum(rewards) / max(1, len(rewards))
 
 
-def json_line(record: dict[str, Any]) -> str:
-    return json.dumps(record, sort_keys=False)
-
-
 def append_metrics(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
