@@ -1,7 +1,7 @@
 """SQL state: SQLite under the data dir by default, PostgreSQL by URL (SQLModel).
 
 Tables here are the system's memory that must survive restarts: feedback receipts (the
-idempotency ledger of the webhook), the model versions a process has served, and releases.
+webhook's idempotency record), the model versions a process has served, and releases.
 """
 
 from __future__ import annotations

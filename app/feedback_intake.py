@@ -1,4 +1,4 @@
-"""Feedback intake: accepted webhook events into the `feedback` topic and the receipt ledger.
+"""Feedback intake: accepted webhook events into the `feedback` topic and the receipts table.
 
 Requests queue their events for one writer thread, which takes everything queued at once
 (group commit): ids received lately are answered from memory, the rest with one SQL query;
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class FeedbackLogUnavailable(RuntimeError):
-    """The broker or the ledger refused the group; the caller may retry (503)."""
+    """The broker or the receipts table refused the group; the caller may retry (503)."""
 
 
 @dataclass
@@ -83,7 +83,7 @@ class FeedbackIntake:
         self.delivery_timeout_s = delivery_timeout_s
         self.max_group_events = max_group_events
         self.recent = RecentIds(recent_ids)
-        self.ledger = ReceiptLedger(db)
+        self.receipts = Receipts(db)
         self._queue: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="feedback-intake", daemon=True)
@@ -122,7 +122,7 @@ class FeedbackIntake:
                 group.append(item)
                 size += len(item.events)
             self._commit(group)
-        self.ledger.close()
+        self.receipts.close()
 
     def _commit(self, group: list[_Submission]) -> None:
         outcomes: list[Any]
@@ -170,13 +170,13 @@ class FeedbackIntake:
                               timeout_s=self.delivery_timeout_s)
 
     def _existing(self, event_ids: set[str]) -> set[str]:
-        return self.ledger.existing(event_ids)
+        return self.receipts.existing(event_ids)
 
     def _record(self, events: list[FeedbackReceived]) -> None:
-        self.ledger.record(events)
+        self.receipts.record(events)
 
 
-class ReceiptLedger:
+class Receipts:
     """The `feedbackreceipt` table, through one connection the writer thread keeps.
 
     Receipts go in as one executemany of plain tuples (the timestamp converted once per

@@ -3,14 +3,14 @@ PostgreSQL by URL, shared by every member of the join's group).
 
 - `join_session`: sessions seen (the GenerationLogged JSON), until they expire; `matched`
   once an experience came of one (its expiry is then no loss).
-- `join_feedback`: every feedback event id ever seen (the dedupe ledger) and its state:
+- `join_feedback`: every feedback event id ever seen (for dedupe) and its state:
   pending (no session yet: its FeedbackReceived JSON kept for the match), matched, or
-  expired. Only pending rows are indexed beyond the key: the ledger grows with every event,
+  expired. Only pending rows are indexed beyond the key: the table grows with every event,
   the lookups are all of pending ones.
 - `join_session_turn`: session_id -> generation_id, created_at for every generation that
   carries a session id: sessions are partitioned by generation_id, so one agent session's
   generations are spread over partitions and members; here a verdict's owner finds them all.
-- `join_verdict`: every session verdict's event id (its dedupe ledger) and its state:
+- `join_verdict`: every session verdict's event id (for dedupe) and its state:
   pending (its JSON kept), expanded or expired; `source` is its input partition, whose owner
   expands it.
 - `join_progress`: per input partition (`source`) and experiences partition, the highest
@@ -178,7 +178,7 @@ class FeedbackRow(NamedTuple):
 
 
 def unseen_feedback(conn: Connection, event_ids: Collection[str]) -> set[str]:
-    """The ids among `event_ids` the ledger has never seen."""
+    """The ids among `event_ids` never seen before."""
     return set(event_ids) - existing_ids(conn, col(JoinFeedback.event_id), event_ids)
 
 

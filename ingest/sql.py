@@ -49,7 +49,7 @@ def _sqlite_connected(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None  # the driver's own BEGIN off: the "begin" event's instead
     cursor = dbapi_conn.cursor()
     for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000",
-                   # 64 MiB of page cache, not 2: the feedback ledgers' indexes of random ids
+                   # 64 MiB of page cache, not 2: the indexes of feedback event ids (random)
                    # grow for good, and past the cache each insert reads pages back
                    "cache_size=-65536"):
         cursor.execute(f"PRAGMA {pragma}")
