@@ -1,4 +1,5 @@
-"""The Celery app: release and sandbox jobs run as Celery tasks (app/tasks.py).
+"""The Celery app: release and sandbox jobs as Celery tasks, each a thin wrapper (JSON in and
+out) around trainer/release.py or simulate/sandbox.py.
 
 Embedded profile: a `filesystem://` broker and a `file://` result backend in folders under
 the data dir, so a worker needs no server, and the API process runs that worker itself
@@ -45,7 +46,7 @@ def _filesystem_folders(data_dir: Path) -> dict[str, Any]:
 
 
 def make_celery(settings: Settings) -> Celery:
-    """A Celery app bound to `settings` (tasks read them from `app.conf.flywheel_settings`)."""
+    """A Celery app bound to `settings`, its tasks registered."""
     broker = settings.resolved_celery_broker_url
     app = Celery("flywheel", broker=broker)
     if broker.startswith("filesystem://"):
@@ -61,11 +62,40 @@ def make_celery(settings: Settings) -> Celery:
         beat_schedule={"periodic-release": {
             "task": RELEASE_TASK, "schedule": settings.release.interval_s,
             "kwargs": {"requested_by": "beat", "reason": "periodic release"}}})
-    app.conf.flywheel_settings = settings
-    from app import tasks
-
-    tasks.register(app)
+    register_tasks(app, settings)
     return app
+
+
+def register_tasks(app: Celery, settings: Settings) -> None:
+    """The tasks, bound to `app` and `settings`. trainer/release.py (and torch with it) is
+    imported by the first release or rollback a worker runs: a sandbox worker never does."""
+    # shared=False: each app's tasks close over that app's settings; a shared task would be
+    # registered on every later app too and run with the first app's settings.
+
+    @app.task(name=RELEASE_TASK, shared=False)
+    def build_release_task(version: int | None = None, candidate: str | None = None,
+                           requested_by: str = "system", reason: str = "") -> dict[str, Any]:
+        from trainer.release import build_release, open_release_context
+
+        with open_release_context(settings.release_config()) as ctx:
+            return build_release(ctx, candidate=Path(candidate) if candidate else None,
+                                 version=version, requested_by=requested_by,
+                                 reason=reason).model_dump(mode="json")
+
+    @app.task(name=ROLLBACK_TASK, shared=False)
+    def rollback_task(version: int, requested_by: str = "admin",
+                      reason: str = "") -> dict[str, Any]:
+        from trainer.release import open_release_context, rollback_release
+
+        with open_release_context(settings.release_config()) as ctx:
+            return rollback_release(ctx, version, requested_by=requested_by,
+                                    reason=reason).model_dump(mode="json")
+
+    @app.task(name=SANDBOX_TASK, shared=False)
+    def run_sandboxed_task(job: dict[str, Any]) -> dict[str, Any]:
+        from simulate.sandbox import SandboxJob, run_sandboxed
+
+        return run_sandboxed(SandboxJob.model_validate(job)).model_dump(mode="json")
 
 
 def celery_from_env() -> Celery:

@@ -87,11 +87,11 @@ def train_online_rank(settings_json: str, release: bool) -> int:
     stop = stop_on_signals()
     control, sink = None, None
     if world.leader:
-        from app.releases import PipelineReleaseSink
         from trainer.online_control import SqlTrainerControl, open_control_db
+        from trainer.release import PipelineReleaseSink
 
         control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
-        sink = PipelineReleaseSink(settings) if release else None
+        sink = PipelineReleaseSink(settings.release_config()) if release else None
     try:
         report = run_online(settings, world=world, release_sink=sink, control=control,
                             stop=stop)

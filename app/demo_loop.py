@@ -134,10 +134,10 @@ class DeveloperThread:
 
 
 def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
-    from app.releases import PipelineReleaseSink
     from ingest.join import run_join
     from trainer.online_control import SqlTrainerControl, open_control_db
     from trainer.online_loop import run_online
+    from trainer.release import PipelineReleaseSink
 
     started = time.monotonic()
     plan = plan or DemoPlan()
@@ -153,7 +153,7 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
             "database_url": s.resolved_join_database_url, "stop": stop})
         control = SqlTrainerControl(open_control_db(s.resolved_database_url))
         trainer = threading.Thread(target=run_online, name="trainer", daemon=True, args=(s,),
-                                   kwargs={"release_sink": PipelineReleaseSink(s),
+                                   kwargs={"release_sink": PipelineReleaseSink(s.release_config()),
                                            "control": control, "stop": stop})
         join.start()
         trainer.start()

@@ -25,7 +25,7 @@ from serving.config import EngineSettings
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.config import TinyMoeSettings
 from trainer.online_config import OnlineTrainerSettings
-from trainer.release_config import ReleaseSettings
+from trainer.release_config import ReleaseConfig, ReleaseSettings
 
 Profile = Literal["embedded", "production"]
 
@@ -127,3 +127,16 @@ class Settings(BaseSettings):
                            request_timeout_ms=self.kafka.request_timeout_ms,
                            delivery_timeout_ms=self.kafka.delivery_timeout_ms,
                            linger_ms=self.kafka.linger_ms)
+
+    def release_config(self) -> ReleaseConfig:
+        """What the release pipeline (trainer/release.py) needs; it announces on Kafka."""
+        if self.kafka_bootstrap is None:
+            raise RuntimeError("settings.kafka_bootstrap is unset: releases need Kafka")
+        return ReleaseConfig(release=self.release, model_dir=self.resolved_model_dir,
+                             candidate_path=self.resolved_candidate_path,
+                             cache_dir=self.data_dir / "releases",
+                             store_url=self.resolved_artifact_store_url,
+                             database_url=self.resolved_database_url,
+                             kafka=self.kafka_config(self.kafka_bootstrap),
+                             tasks=self.bootstrap.tasks,
+                             harness=self.bootstrap.harness(temperature=0.0))

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -70,21 +70,6 @@ class TrainerState:
     release_from_step: int = 0  # first step not contained in a release yet
     last_release: dict[str, Any] | None = None
     last_release_wall: float = field(default_factory=time.time)
-
-
-@dataclass
-class ReleaseOutcome:
-    version: int
-    published: bool
-    sha256: str
-    reason: str = ""
-
-
-class ReleaseSink(Protocol):
-    """The release pipeline of app/releases.py, as the trainer sees it."""
-
-    def release(self, candidate: Path, provenance: dict[str, Any], *,
-                requested_by: str, reason: str) -> ReleaseOutcome: ...
 
 
 def configure_torch(cfg: OnlineTrainerSettings) -> None:

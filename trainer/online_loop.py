@@ -23,8 +23,9 @@ from ingest.events import ExperienceReady
 from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
-from trainer.online import OnlineTrainer, ReleaseSink
+from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
+from trainer.release import ReleaseSink
 
 log = logging.getLogger(__name__)
 Offsets = dict[str, int]  # "topic:partition" -> next offset to read

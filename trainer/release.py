@@ -1,180 +1,292 @@
-"""The weights side of a release: load a candidate, gate it, encode and store it.
+"""The release pipeline: candidate -> eval gate -> delta -> store -> announce (`build_release`).
 
-Everything here is given what it needs (a `ReleaseConfig`, an artifact store, weights); the
-release history (SQL rows), the announcement on Kafka and the Celery tasks live in
-app/releases.py and app/tasks.py, which call these functions.
+A candidate checkpoint is gated against the served version; one that passes is stored as the
+delta from it (and a full snapshot every `release.snapshot_every` releases, which resets the
+chain), announced as `ReleasePublished` on `releases`, and its `release` row marked published.
+A rejected candidate is recorded with the reason and never published. `rollback_release` takes
+the head back to its parent by re-announcing the parent: replicas apply the same delta
+backwards. The served version ("head") is the newest published release; version 0 is the base
+model, recorded as a snapshot the first time the pipeline runs.
 
-    config = ReleaseConfig(release=settings.release, model_dir=..., cache_dir=..., store_url=...)
-    weights = load_candidate(path, config.model_dir)
-    decision = evaluate(config, served_weights, weights)
-    uris = store_release(config, served_weights, weights, base=..., target=..., snapshot=False)
+The weights work is trainer/release_weights.py's. app/ only wires the pipeline: the admin
+routes, the Celery tasks (app/celery_app.py), the online trainer's `PipelineReleaseSink`.
+
+    with open_release_context(settings.release_config()) as ctx:
+        row = build_release(ctx, candidate=Path("data/checkpoints/latest"))
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
-import torch
+from sqlalchemy import JSON, Column
+from sqlalchemy import Engine as DbEngine
+from sqlmodel import Field, Session, SQLModel, col, select
 
-from kernels.delta import EncodedRelease, encode_delta, encode_snapshot
-from kernels.delta.chain import apply_chain, plan_chain
+from ingest.events import ReleasePublished, utcnow
+from ingest.log import EventProducer
+from ingest.sql import open_database
 from kernels.delta.manifest import VersionRef
-from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
-from simulate.harness import HarnessConfig
-from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
-from trainer.eval_gate import EvalSuite, GateDecision, build_eval_suite, gate
-from trainer.release_config import ReleaseSettings
+from trainer.release_config import ReleaseConfig
+from trainer.release_weights import (
+    ReleaseError,
+    base_weights,
+    evaluate,
+    head_weights,
+    load_candidate,
+    save_weights,
+    store_base,
+    store_release,
+)
 
-Weights = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
-
-class ReleaseError(RuntimeError):
-    """A release request that cannot proceed (the message says why)."""
-
-
-@dataclass(frozen=True)
-class ReleaseConfig:
-    """What the weights side of the pipeline needs; app/ builds it from `Settings`."""
-
-    release: ReleaseSettings
-    model_dir: Path  # the base model (architecture, tokenizer, version 0)
-    cache_dir: Path  # the served head's weights (and its eval figures) are cached here
-    store_url: str  # artifact store: a directory or any fsspec URL
-    # the held-out tasks gate: the bootstrap's task source and harness
-    tasks: TaskSourceConfig = field(default_factory=BuiltinTasksConfig)
-    harness: HarnessConfig = field(default_factory=HarnessConfig)
-
-    @property
-    def store(self) -> ArtifactStore:
-        return build_artifact_store(artifact_store_config(self.store_url))
-
-    @property
-    def head_cache(self) -> Path:
-        return self.cache_dir / "head.safetensors"
+ReleaseStatus = Literal["candidate", "published", "rejected", "rolled_back"]
 
 
-@dataclass(frozen=True)
-class StoredRelease:
-    manifest_uri: str  # the delta (or, for version 0, the snapshot)
-    snapshot_uri: str | None
+class ReleaseConflictError(ReleaseError):
+    """The request contradicts the release history (e.g. rolling back a non-head version)."""
 
 
-def load_model(model_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+class Release(SQLModel, table=True):
+    """One release candidate and what became of it: the pipeline's history.
 
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def base_weights(model_dir: Path) -> Weights:
-    return {n: t.detach().clone() for n, t in load_model(model_dir).state_dict().items()}
-
-
-def load_candidate(path: Path, base_model_dir: Path) -> Weights:
-    """A trainer checkpoint as a full state dict (tied weights included, as the engine has).
-
-    `path` is a Hugging Face model dir or a safetensors state dict; names, shapes and dtypes
-    must match the base model's.
+    `manifest_uri` is the delta from `parent`; snapshots also have `snapshot_uri` and reset
+    `chain_length` to 0. The online trainer fills the provenance columns: the step range and
+    the generation and feedback event ids the weights were trained on.
     """
-    if not path.exists():
-        raise ReleaseError(f"candidate checkpoint {path} does not exist")
-    if path.is_dir():
-        return base_weights(path)
-    from safetensors.torch import load_file
 
-    model = load_model(base_model_dir)
-    expected = {n: (t.shape, t.dtype) for n, t in model.state_dict().items()}
-    loaded = load_file(str(path))
-    odd = [n for n, t in loaded.items() if expected.get(n) != (t.shape, t.dtype)]
-    if odd:
-        raise ReleaseError(f"candidate {path} does not match the model: {odd[:5]}")
-    missing, _ = model.load_state_dict(loaded, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
-    if set(missing) - tied - {"lm_head.weight"}:
-        raise ReleaseError(f"candidate {path} lacks tensors: {sorted(missing)[:5]}")
-    return {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def save_weights(weights: Weights, path: Path) -> None:
-    """Safetensors without shared storage (tied tensors are written as copies)."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous().clone() for n, t in weights.items()}, str(path))
+    version: int = Field(primary_key=True)
+    parent: int | None = Field(default=None, index=True)
+    kind: str = Field(max_length=16)  # delta | snapshot
+    status: str = Field(default="candidate", max_length=16, index=True)  # a ReleaseStatus
+    sha256: str = Field(max_length=64)
+    manifest_uri: str | None = None
+    snapshot_uri: str | None = None
+    candidate_uri: str | None = None
+    chain_length: int = 0
+    requested_by: str = Field(default="system", max_length=128)
+    reason: str = Field(default="", max_length=2000)
+    eval_summary: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    step_range: list[int] | None = Field(default=None, sa_column=Column(JSON))
+    generation_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    feedback_event_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    created_at: datetime = Field(default_factory=utcnow)
+    published_at: datetime | None = None
+    rolled_back_at: datetime | None = None
+    rolled_back_by: str | None = Field(default=None, max_length=128)
+    rollback_reason: str | None = Field(default=None, max_length=2000)
 
 
-def head_weights(config: ReleaseConfig, version: int, sha256: str) -> Weights:
-    """The weights of a published version: the head cache, or rebuilt from the store."""
-    if config.head_cache.exists():
-        from safetensors.torch import load_file
+@dataclass
+class ReleaseContext:
+    """What the pipeline touches: its config, the history (SQL), a producer on `releases`."""
 
-        weights = load_file(str(config.head_cache))
-        if state_dict_sha256(weights) == sha256:
-            return weights
-    store = config.store
-    weights = base_weights(config.model_dir)  # any weights of the layout: a snapshot overwrites
-    steps = plan_chain(None, version, store.releases())
-    apply_chain(weights, steps, lambda info: (store.read_manifest(info.version, info.kind),
-                                              store.shard_reader(info.version, info.kind)))
-    if state_dict_sha256(weights) != sha256:
-        raise ReleaseError(f"v{version}: the store rebuilds other weights")
-    save_weights(weights, config.head_cache)
-    return weights
+    config: ReleaseConfig
+    db: DbEngine
+    producer: EventProducer
 
 
-def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights) -> GateDecision:
-    """Score both with the configured suite on the base model architecture (the served
-    version's figures are cached by its sha256: one served version meets many candidates)."""
-    from transformers import AutoTokenizer
-
-    model = load_model(config.model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
-    suite = build_eval_suite(config.release.eval, tasks=config.tasks, harness=config.harness)
-    served_metrics = _served_metrics(config, suite, model, tokenizer, served)
-    model.load_state_dict(candidate)
-    return gate(suite, suite.evaluate(model, tokenizer), served_metrics)
-
-
-def _served_metrics(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
-                    served: Weights) -> dict[str, float]:
-    key = hashlib.sha256(json.dumps([
-        config.release.eval.model_dump(mode="json"), config.tasks.model_dump(mode="json"),
-        repr(config.harness), state_dict_sha256(served)]).encode()).hexdigest()
-    path = config.cache_dir / "eval" / f"{key}.json"
-    if path.exists():
-        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
-    model.load_state_dict(served)
-    metrics = suite.evaluate(model, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics))
-    return metrics
+@contextmanager
+def open_release_context(config: ReleaseConfig) -> Iterator[ReleaseContext]:
+    """The history and a producer for one release or rollback, closed after it."""
+    config.cache_dir.mkdir(parents=True, exist_ok=True)  # and the data dir: SQLite's home
+    db = open_database(config.database_url, [Release.__table__])  # type: ignore[attr-defined]
+    producer = EventProducer(config.kafka, client_id="flywheel-release")
+    try:
+        yield ReleaseContext(config, db, producer)
+    finally:
+        producer.close()
+        db.dispose()
 
 
-def write(config: ReleaseConfig, encoded: EncodedRelease) -> str:
-    """Store an encoded release; returns its manifest URI."""
-    key = config.store.write_release(encoded.manifest, encoded.shards)
-    return f"{config.store_url.rstrip('/')}/{key}"
+# ---- the pipeline ------------------------------------------------------------------------
+def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
+                  version: int | None = None, requested_by: str = "system",
+                  reason: str = "", provenance: dict[str, Any] | None = None) -> Release:
+    """Candidate -> eval gate -> delta -> store -> announce. Returns the candidate's row,
+    published or rejected with the reason; a build that fails is recorded, then raised.
+    `version` is a row `reserve_version` made (None: reserve one now)."""
+    config, provenance = ctx.config, provenance or {}
+    served = ensure_base(ctx)
+    path = candidate or config.candidate_path
+    if version is None:
+        version = reserve_version(ctx.db, requested_by=requested_by, reason=reason,
+                                  candidate_uri=str(path))
+    try:
+        served_weights = head_weights(config, served.version, served.sha256)
+        weights = load_candidate(path, config.model_dir)
+        sha = state_dict_sha256(weights)
+        decision = evaluate(config, served_weights, weights)
+        if not decision.passed:
+            return record(ctx.db, version, status="rejected", reason=decision.reason,
+                          sha256=sha, eval_summary=decision.summary(), parent=served.version)
+        chain = served.chain_length + 1
+        snapshot = chain >= config.release.snapshot_every
+        stored = store_release(config, served_weights, weights,
+                               base=VersionRef(version=served.version, sha256=served.sha256),
+                               target=VersionRef(version=version, sha256=sha), snapshot=snapshot)
+        row = publish(ctx, version, {
+            "parent": served.version, "sha256": sha, "manifest_uri": stored.manifest_uri,
+            "snapshot_uri": stored.snapshot_uri, "kind": "snapshot" if snapshot else "delta",
+            "chain_length": 0 if snapshot else chain, "eval_summary": decision.summary(),
+            "step_range": provenance.get("step_range"),
+            "generation_ids": provenance.get("generation_ids", []),
+            "feedback_event_ids": provenance.get("feedback_event_ids", [])})
+        save_weights(weights, config.head_cache)
+    except Exception as exc:
+        record(ctx.db, version, status="rejected", reason=f"build failed: {exc}")
+        raise
+    log.info("published v%d (parent v%d, %s)", version, served.version, decision.reason)
+    return row
 
 
-def store_base(config: ReleaseConfig, weights: Weights, sha256: str) -> StoredRelease:
-    """Version 0: the base model as a full snapshot; it also becomes the head cache."""
-    uri = write(config, encode_snapshot(weights, version=0, sha256=sha256))
-    save_weights(weights, config.head_cache)
-    return StoredRelease(manifest_uri=uri, snapshot_uri=uri)
+def ensure_base(ctx: ReleaseContext) -> Release:
+    """The head, creating version 0 (the base model as a snapshot) on first use."""
+    with Session(ctx.db) as session:
+        current = head(session)
+        if current is not None:
+            return current
+    weights = base_weights(ctx.config.model_dir)
+    sha = state_dict_sha256(weights)
+    stored = store_base(ctx.config, weights, sha)
+    base = Release(version=0, kind="snapshot", status="published",
+                   sha256=sha, snapshot_uri=stored.snapshot_uri, manifest_uri=stored.manifest_uri,
+                   requested_by="system", reason="base model", published_at=utcnow())
+    announce(ctx, announcement(base))
+    with Session(ctx.db) as session:
+        session.add(base)
+        session.commit()
+        session.refresh(base)
+    return base
 
 
-def store_release(config: ReleaseConfig, served: Weights, candidate: Weights, *,
-                  base: VersionRef, target: VersionRef, snapshot: bool) -> StoredRelease:
-    """The delta served -> candidate (and a full snapshot when `snapshot`), in the store."""
-    snapshot_uri = write(config, encode_snapshot(candidate, version=target.version,
-                                                 sha256=target.sha256)) if snapshot else None
-    manifest_uri = write(config, encode_delta(
-        served, candidate, base_version=base.version, target_version=target.version,
-        base_sha256=base.sha256, target_sha256=target.sha256))
-    return StoredRelease(manifest_uri=manifest_uri, snapshot_uri=snapshot_uri)
+def publish(ctx: ReleaseContext, version: int, fields: dict[str, Any]) -> Release:
+    """Fill the row of `version`, announce it, then mark it published (once Kafka has it)."""
+    with Session(ctx.db) as session:
+        row = session.get(Release, version)
+        assert row is not None  # reserved before the build
+        row.sqlmodel_update(fields)
+        announce(ctx, announcement(row))
+        row.status, row.published_at = "published", utcnow()
+        session.add(row)
+        session.commit()
+        session.refresh(row)
+        return row
+
+
+def rollback_release(ctx: ReleaseContext, version: int, *, requested_by: str = "admin",
+                     reason: str = "") -> Release:
+    """Take the head `version` back to its parent; returns the parent (the new head)."""
+    with Session(ctx.db) as session:
+        row = session.get(Release, version)
+        current = head(session)
+        if row is None:
+            raise ReleaseError(f"no release v{version}")
+        if current is None or current.version != version:
+            raise ReleaseConflictError(
+                f"v{version} is {row.status}, not the served head "
+                f"(v{current.version if current else '-'}); only the head can be rolled back")
+        parent = session.get(Release, row.parent) if row.parent is not None else None
+        if parent is None or parent.status != "published":
+            raise ReleaseConflictError(f"v{version} has no published parent to return to")
+        announce(ctx, ReleasePublished(version=parent.version, parent=version, kind="rollback",
+                                       manifest_uri=row.manifest_uri or "",
+                                       snapshot_uri=parent.snapshot_uri, sha256=parent.sha256,
+                                       eval_summary={}))
+        row.sqlmodel_update({"status": "rolled_back", "rolled_back_at": utcnow(),
+                             "rolled_back_by": requested_by, "rollback_reason": reason})
+        session.add(row)
+        session.commit()
+        session.refresh(parent)
+        return parent
+
+
+# ---- the announcement --------------------------------------------------------------------
+def announcement(row: Release) -> ReleasePublished:
+    return ReleasePublished(
+        version=row.version, parent=row.parent, kind=row.kind,  # type: ignore[arg-type]
+        manifest_uri=row.manifest_uri or row.snapshot_uri or "", snapshot_uri=row.snapshot_uri,
+        sha256=row.sha256, eval_summary={k: float(v) for k, v in row.eval_summary.items()
+                                         if isinstance(v, int | float)})
+
+
+def announce(ctx: ReleaseContext, event: ReleasePublished) -> None:
+    """`event` on `releases`, keyed by its version; returns once Kafka acknowledged it."""
+    kafka = ctx.config.kafka
+    ctx.producer.send(kafka.topics.releases, str(event.version), event).get(
+        timeout=kafka.delivery_timeout_ms / 1000)
+
+
+# ---- the history -------------------------------------------------------------------------
+def head(session: Session) -> Release | None:
+    """The served version: the newest published release."""
+    return session.exec(select(Release).where(Release.status == "published")
+                        .order_by(col(Release.version).desc())).first()
+
+
+def reserve_version(db: DbEngine, *, requested_by: str, reason: str,
+                    candidate_uri: str | None) -> int:
+    """Record a candidate row now (so an API caller learns its version before the build)."""
+    with Session(db) as session:
+        newest = session.exec(select(Release).order_by(col(Release.version).desc())).first()
+        version = 1 if newest is None else newest.version + 1  # 0 is the base model's
+        session.add(Release(version=version, kind="delta", sha256="", status="candidate",
+                            requested_by=requested_by, reason=reason,
+                            candidate_uri=candidate_uri))
+        session.commit()
+        return version
+
+
+def record(db: DbEngine, version: int, *, status: ReleaseStatus, reason: str,
+           **fields: Any) -> Release:
+    """Set the status of `version`, with the reason and any other columns."""
+    with Session(db) as session:
+        row = session.get(Release, version)
+        if row is None:
+            raise ReleaseError(f"no release v{version}")
+        row.sqlmodel_update({"status": status, "reason": reason, **fields})
+        session.add(row)
+        session.commit()
+        session.refresh(row)
+        log.warning("v%d %s: %s", version, status, reason)
+        return row
+
+
+# ---- the online trainer's view -----------------------------------------------------------
+@dataclass
+class ReleaseOutcome:
+    version: int
+    published: bool
+    sha256: str
+    reason: str = ""
+
+
+class ReleaseSink(Protocol):
+    """Where the online trainer's loop (trainer/online_loop.py) hands its weights."""
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *,
+                requested_by: str, reason: str) -> ReleaseOutcome: ...
+
+
+class PipelineReleaseSink:
+    """The `ReleaseSink` of `flywheel train-online`: `build_release` in this process, with the
+    step range and the generation and feedback ids the weights were trained on."""
+
+    def __init__(self, config: ReleaseConfig) -> None:
+        self.config = config
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> ReleaseOutcome:
+        with open_release_context(self.config) as ctx:
+            row = build_release(ctx, candidate=candidate, requested_by=requested_by,
+                                reason=reason, provenance=provenance)
+        return ReleaseOutcome(version=row.version, published=row.status == "published",
+                              sha256=row.sha256, reason=row.reason)

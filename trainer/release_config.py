@@ -1,4 +1,6 @@
-"""Release configuration owned by `trainer` (composed into `app.settings.Settings`).
+"""Release configuration owned by `trainer`: `ReleaseSettings` (composed into
+`app.settings.Settings`) and `ReleaseConfig`, everything the pipeline of trainer/release.py
+needs, which `Settings.release_config()` resolves.
 
 The eval gate is a choice between suites (a discriminated union on `kind`); `build_eval_suite`
 in `trainer/eval_gate.py` turns it into the suite object. Nothing here imports torch.
@@ -6,10 +8,17 @@ in `trainer/eval_gate.py` turns it into the suite object. Nothing here imports t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, Field
+
+from ingest.config import KafkaConfig
+from simulate.tasks import TaskSourceConfig
+
+if TYPE_CHECKING:
+    from simulate.harness import HarnessConfig
 
 
 class HeldOutTasksEval(BaseModel):
@@ -64,3 +73,23 @@ class ReleaseSettings(BaseModel):
     eval: EvalSettings = HeldOutTasksEval()
     poll_timeout_ms: int = Field(default=200, ge=10, description="replica subscriber poll")
     follow: bool = Field(default=True, description="serving replicas hot-swap releases")
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """The release pipeline's inputs, resolved: no profile logic below this point."""
+
+    release: ReleaseSettings
+    model_dir: Path  # the base model (architecture, tokenizer, version 0)
+    candidate_path: Path  # built when a request names no candidate
+    cache_dir: Path  # the served head's weights (and its eval figures) are cached here
+    store_url: str  # artifact store: a directory or any fsspec URL
+    database_url: str  # the `release` table: the history
+    kafka: KafkaConfig  # where `ReleasePublished` goes (topic `releases`)
+    # the held-out tasks gate: the bootstrap's task source and harness
+    tasks: TaskSourceConfig
+    harness: HarnessConfig
+
+    @property
+    def head_cache(self) -> Path:
+        return self.cache_dir / "head.safetensors"

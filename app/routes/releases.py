@@ -1,4 +1,4 @@
-"""Release admin (bearer token): trigger, list, inspect, roll back.
+"""Release admin (bearer token): trigger, list, inspect, roll back (trainer/release.py).
 
     POST /admin/releases                      202 {version, task_id}: a Celery build_release
     GET  /admin/releases                      newest first
@@ -19,12 +19,21 @@ from fastapi import APIRouter, Query, status
 from fastapi import Path as PathParam
 from sqlmodel import col, select
 
-from app.db import Release, ReleaseStatus
+from app.celery_app import RELEASE_TASK
 from app.deps import AdminDep, DbDep, ServicesDep
 from app.errors import ApiError, error_responses
 from app.schemas import ReleaseOut, ReleaseQueued, ReleaseRequest, RollbackRequest
 from app.settings import Settings
 from kernels.delta.store import LocalStoreConfig, artifact_store_config
+from trainer.release import (
+    Release,
+    ReleaseConflictError,
+    ReleaseContext,
+    ReleaseError,
+    ReleaseStatus,
+    reserve_version,
+    rollback_release,
+)
 
 router = APIRouter(prefix="/admin/releases", tags=["releases"])
 Version = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="a release version")]
@@ -58,9 +67,6 @@ def confined_candidate(settings: Settings, requested: str | None) -> Path:
              responses=error_responses(400, 401, 404, 422))
 def trigger_release(services: ServicesDep, _: AdminDep,
                     body: ReleaseRequest | None = None) -> ReleaseQueued:
-    from app.celery_app import RELEASE_TASK
-    from app.releases import reserve_version
-
     body = body or ReleaseRequest()
     candidate = str(confined_candidate(services.settings, body.candidate))
     version = reserve_version(services.db, requested_by=body.requested_by, reason=body.reason,
@@ -95,15 +101,8 @@ def get_release(version: Version, db: DbDep, _: AdminDep) -> Release:
 def rollback(version: Version, services: ServicesDep, _: AdminDep,
              body: RollbackRequest | None = None) -> Release:
     """Roll the served head back to its parent; returns the parent (the new head)."""
-    from app.releases import (
-        ReleaseConflictError,
-        ReleaseContext,
-        ReleaseError,
-        rollback_release,
-    )
-
     body = body or RollbackRequest()
-    ctx = ReleaseContext(settings=services.settings, db=services.db, producer=services.producer)
+    ctx = ReleaseContext(services.settings.release_config(), services.db, services.producer)
     try:
         return rollback_release(ctx, version, requested_by=body.requested_by,
                                 reason=body.reason)

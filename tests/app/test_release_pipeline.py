@@ -1,27 +1,38 @@
-"""The release pipeline (app/releases.py over trainer/release.py) on the real broker, SQLite
-and the tiny model: gate, store, publish, snapshot cadence, rollback, and rebuilding the
-served weights from the artifact store."""
+"""The release pipeline (trainer/release.py) on the real broker, SQLite and the tiny model:
+gate, store, publish, snapshot cadence, rollback, and rebuilding the served weights from the
+artifact store."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from sqlmodel import Session
 
-from app.db import Release, make_db_engine
-from app.releases import ReleaseConflictError, ReleaseContext, build_release, rollback_release
 from app.settings import Settings
 from ingest.events import ReleasePublished
-from ingest.log import EventProducer, read_all
+from ingest.log import read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
-from trainer.release import head_weights, load_candidate, load_model, save_weights
+from trainer.release import (
+    PipelineReleaseSink,
+    Release,
+    ReleaseConflictError,
+    ReleaseContext,
+    build_release,
+    open_release_context,
+    rollback_release,
+)
 from trainer.release_config import HeldOutLossEval
+from trainer.release_weights import (
+    artifact_store,
+    head_weights,
+    load_candidate,
+    load_model,
+    save_weights,
+)
 
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
@@ -36,21 +47,12 @@ def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
     return new
 
 
-@contextmanager
-def release_context(settings: Settings) -> Iterator[ReleaseContext]:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    db = make_db_engine(settings.resolved_database_url)
-    producer = EventProducer(settings.kafka_config(settings.kafka_bootstrap or ""))
-    yield ReleaseContext(settings=settings, db=db, producer=producer)
-    producer.close()
-    db.dispose()
-
-
 @pytest.fixture
 def ctx(settings: Settings):
     """The loss gate: the random tiny model solves no task, so pass@1 could not tell."""
     release = settings.release.model_copy(update={"snapshot_every": 2, "eval": HeldOutLossEval()})
-    with release_context(settings.model_copy(update={"release": release})) as ctx:
+    with open_release_context(settings.model_copy(update={"release": release})
+                              .release_config()) as ctx:
         yield ctx
 
 
@@ -86,17 +88,31 @@ def test_publish_gate_snapshot_rollback(ctx: ReleaseContext, tmp_path: Path,
     r3 = build_release(ctx, candidate=tmp_path / "c2.safetensors")
     assert (r3.version, r3.parent) == (4, 1)
 
-    events = read_all(ctx.settings.kafka_config(ctx.settings.kafka_bootstrap or ""),
-                      ctx.settings.topics.releases, ReleasePublished)
+    events = read_all(ctx.config.kafka, ctx.config.kafka.topics.releases, ReleasePublished)
     assert sorted((e.version, e.kind) for e in events) == [
         (0, "snapshot"), (1, "delta"), (1, "rollback"), (3, "snapshot"), (4, "snapshot")]
+
+
+def test_the_online_trainers_sink_records_what_the_weights_were_trained_on(
+        ctx: ReleaseContext, tmp_path: Path, model_dir: Path) -> None:
+    make_checkpoint(model_dir, tmp_path / "c.safetensors", scale=1e-3, seed=4)
+    provenance = {"step_range": [0, 3], "generation_ids": ["g1", "g2"],
+                  "feedback_event_ids": ["f1"]}
+    outcome = PipelineReleaseSink(ctx.config).release(
+        tmp_path / "c.safetensors", provenance, requested_by="trainer", reason="interval")
+    assert (outcome.version, outcome.published) == (1, True)
+    with Session(ctx.db) as session:
+        row = session.get(Release, 1)
+        assert row is not None and (row.status, row.requested_by) == ("published", "trainer")
+        assert (row.step_range, row.generation_ids, row.feedback_event_ids) == (
+            [0, 3], ["g1", "g2"], ["f1"])
 
 
 def test_delta_refuses_corruption_and_wrong_base(ctx: ReleaseContext, tmp_path: Path,
                                                  model_dir: Path) -> None:
     make_checkpoint(model_dir, tmp_path / "c.safetensors", scale=1e-3, seed=3)
     r1 = build_release(ctx, candidate=tmp_path / "c.safetensors")
-    store = ctx.config.store
+    store = artifact_store(ctx.config)
     manifest, reader = store.read_manifest(r1.version), store.shard_reader(r1.version)
     base = load_model(model_dir).state_dict()
     with pytest.raises(BaseMismatchError):
@@ -148,7 +164,7 @@ def test_held_out_pass_at_1_gate_refuses_a_damaged_candidate(
         "model_dir": skilled_model_dir,
         "bootstrap": settings.bootstrap.model_copy(update={"tasks": tasks})})
     assert settings.release.eval.kind == "held_out_tasks"
-    with release_context(settings) as ctx:
+    with open_release_context(settings.release_config()) as ctx:
         served = load_model(skilled_model_dir).state_dict()
         make_checkpoint(skilled_model_dir, tmp_path / "damaged.safetensors", scale=0.3, seed=1,
                         base=served)

@@ -13,13 +13,14 @@ import pytest
 from sqlmodel import Session
 
 from app.celery_app import RELEASE_TASK, SANDBOX_TASK, make_celery
-from app.db import Release, make_db_engine
+from app.db import make_db_engine
 from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import read_all
 from simulate.sandbox import SandboxJob, SandboxResult
 from tests.app.test_release_pipeline import make_checkpoint
 from tests.conftest import require_service
+from trainer.release import Release
 
 pytestmark = pytest.mark.integration
 REDIS = "redis://127.0.0.1:6379/0"

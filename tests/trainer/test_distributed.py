@@ -33,7 +33,7 @@ from trainer.offline import OfflineTrainer
 from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
 from trainer.policy import NextTokenLoss, Policy, Rows
-from trainer.release import base_weights, load_candidate
+from trainer.release_weights import base_weights, load_candidate
 
 SIZES = (8, 7, 1)
 EPS = 1e-4

@@ -11,7 +11,7 @@ import torch
 from app.settings import Settings
 from ingest.log import EventProducer
 from tests.trainer.test_online import make_experiences
-from trainer.online import OnlineTrainer, ReleaseOutcome
+from trainer.online import OnlineTrainer
 from trainer.online_control import (
     SqlTrainerControl,
     enqueue_command,
@@ -19,6 +19,7 @@ from trainer.online_control import (
     read_status,
 )
 from trainer.online_loop import ExperienceSource, OnlineLoop, take_batch
+from trainer.release import ReleaseOutcome
 
 
 class RecordingSink:

@@ -1,0 +1,159 @@
+"""The weights side of a release: load a candidate, gate it, encode and store it.
+
+Each function is given what it needs (a `ReleaseConfig`, weights); trainer/release.py runs
+them in order and keeps the history and the announcements.
+
+    weights = load_candidate(path, config.model_dir)
+    decision = evaluate(config, served_weights, weights)
+    uris = store_release(config, served_weights, weights, base=..., target=..., snapshot=False)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.delta import EncodedRelease, encode_delta, encode_snapshot
+from kernels.delta.chain import apply_chain, plan_chain
+from kernels.delta.manifest import VersionRef
+from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
+from kernels.weights import state_dict_sha256
+from trainer.eval_gate import EvalSuite, GateDecision, build_eval_suite, gate
+from trainer.release_config import ReleaseConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+class ReleaseError(RuntimeError):
+    """A release request that cannot proceed (the message says why)."""
+
+
+@dataclass(frozen=True)
+class StoredRelease:
+    manifest_uri: str  # the delta (or, for version 0, the snapshot)
+    snapshot_uri: str | None
+
+
+def artifact_store(config: ReleaseConfig) -> ArtifactStore:
+    return build_artifact_store(artifact_store_config(config.store_url))
+
+
+def load_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def base_weights(model_dir: Path) -> Weights:
+    return {n: t.detach().clone() for n, t in load_model(model_dir).state_dict().items()}
+
+
+def load_candidate(path: Path, base_model_dir: Path) -> Weights:
+    """A trainer checkpoint as a full state dict (tied weights included, as the engine has).
+
+    `path` is a Hugging Face model dir or a safetensors state dict; names, shapes and dtypes
+    must match the base model's.
+    """
+    if not path.exists():
+        raise ReleaseError(f"candidate checkpoint {path} does not exist")
+    if path.is_dir():
+        return base_weights(path)
+    from safetensors.torch import load_file
+
+    model = load_model(base_model_dir)
+    expected = {n: (t.shape, t.dtype) for n, t in model.state_dict().items()}
+    loaded = load_file(str(path))
+    odd = [n for n, t in loaded.items() if expected.get(n) != (t.shape, t.dtype)]
+    if odd:
+        raise ReleaseError(f"candidate {path} does not match the model: {odd[:5]}")
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if set(missing) - tied - {"lm_head.weight"}:
+        raise ReleaseError(f"candidate {path} lacks tensors: {sorted(missing)[:5]}")
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def save_weights(weights: Weights, path: Path) -> None:
+    """Safetensors without shared storage (tied tensors are written as copies)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous().clone() for n, t in weights.items()}, str(path))
+
+
+def head_weights(config: ReleaseConfig, version: int, sha256: str) -> Weights:
+    """The weights of a published version: the head cache, or rebuilt from the store."""
+    if config.head_cache.exists():
+        from safetensors.torch import load_file
+
+        weights = load_file(str(config.head_cache))
+        if state_dict_sha256(weights) == sha256:
+            return weights
+    store = artifact_store(config)
+    weights = base_weights(config.model_dir)  # any weights of the layout: a snapshot overwrites
+    steps = plan_chain(None, version, store.releases())
+    apply_chain(weights, steps, lambda info: (store.read_manifest(info.version, info.kind),
+                                              store.shard_reader(info.version, info.kind)))
+    if state_dict_sha256(weights) != sha256:
+        raise ReleaseError(f"v{version}: the store rebuilds other weights")
+    save_weights(weights, config.head_cache)
+    return weights
+
+
+def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights) -> GateDecision:
+    """Score both with the configured suite on the base model architecture (the served
+    version's figures are cached by its sha256: one served version meets many candidates)."""
+    from transformers import AutoTokenizer
+
+    model = load_model(config.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+    suite = build_eval_suite(config.release.eval, tasks=config.tasks, harness=config.harness)
+    served_metrics = _served_metrics(config, suite, model, tokenizer, served)
+    model.load_state_dict(candidate)
+    return gate(suite, suite.evaluate(model, tokenizer), served_metrics)
+
+
+def _served_metrics(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
+                    served: Weights) -> dict[str, float]:
+    key = hashlib.sha256(json.dumps([
+        config.release.eval.model_dump(mode="json"), config.tasks.model_dump(mode="json"),
+        repr(config.harness), state_dict_sha256(served)]).encode()).hexdigest()
+    path = config.cache_dir / "eval" / f"{key}.json"
+    if path.exists():
+        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
+    model.load_state_dict(served)
+    metrics = suite.evaluate(model, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics))
+    return metrics
+
+
+def _write(config: ReleaseConfig, encoded: EncodedRelease) -> str:
+    """Store an encoded release; returns its manifest URI."""
+    key = artifact_store(config).write_release(encoded.manifest, encoded.shards)
+    return f"{config.store_url.rstrip('/')}/{key}"
+
+
+def store_base(config: ReleaseConfig, weights: Weights, sha256: str) -> StoredRelease:
+    """Version 0: the base model as a full snapshot; it also becomes the head cache."""
+    uri = _write(config, encode_snapshot(weights, version=0, sha256=sha256))
+    save_weights(weights, config.head_cache)
+    return StoredRelease(manifest_uri=uri, snapshot_uri=uri)
+
+
+def store_release(config: ReleaseConfig, served: Weights, candidate: Weights, *,
+                  base: VersionRef, target: VersionRef, snapshot: bool) -> StoredRelease:
+    """The delta served -> candidate (and a full snapshot when `snapshot`), in the store."""
+    snapshot_uri = _write(config, encode_snapshot(candidate, version=target.version,
+                                                  sha256=target.sha256)) if snapshot else None
+    manifest_uri = _write(config, encode_delta(
+        served, candidate, base_version=base.version, target_version=target.version,
+        base_sha256=base.sha256, target_sha256=target.sha256))
+    return StoredRelease(manifest_uri=manifest_uri, snapshot_uri=snapshot_uri)
