@@ -13,7 +13,7 @@ from sqlmodel import Session
 from app.services import Services
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:  # async: FastAPI runs a def in a thread
     return request.app.state.services  # type: ignore[no-any-return]
 
 

@@ -103,6 +103,9 @@ def request_id_of(request: Request) -> str | None:
 def validation_error(errors: list[Any], *, status_code: int) -> ApiError:
     """The first of pydantic's `errors()` as an ApiError naming the field (`body.` dropped)."""
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # FastAPI's loc: ("body", character offset)
+        return ApiError(status_code, f"the body is not JSON: {first.get('ctx', {}).get('error')} "
+                        f"at character {first['loc'][-1]}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid request"))

@@ -15,7 +15,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic.json_schema import models_json_schema
 
 from app.errors import error_responses, install_error_handlers
 from app.guard import RequestGuard
@@ -114,7 +113,6 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                    health, metrics_route):
         app.include_router(module.router)
     install_error_handlers(app)
-    app.add_middleware(feedback.FeedbackFastPath)  # the webhooks skip the rest
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)  # outermost
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     return app
@@ -122,7 +120,6 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document, with:
-    - the webhook bodies the feedback routes parse by hand (`feedback.BODIES`);
     - the answers any route may give: 500 (app/guard.py) on every one; on every one that
       takes a body, 413 (app/guard.py) and 400 (a body that is not UTF-8 text, which FastAPI
       refuses before validation);
@@ -131,10 +128,6 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
       (400 on the inference routes, 422 elsewhere) with the error body."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, bodies = models_json_schema([(m, "validation") for m in feedback.BODIES],
-                                       ref_template="#/components/schemas/{model}")
-        document.setdefault("components", {}).setdefault("schemas", {}).update(
-            bodies["$defs"])
         guard = error_responses(400, 413, 500)
         for operations in document["paths"].values():
             for operation in operations.values():

@@ -8,22 +8,44 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.config import JsonDict
 
-from ingest.events import FeedbackKind
+from ingest.events import FeedbackReceived, utcnow
+
+# a sender's value for these is ignored, like an unknown field's
+_SET_BY_THE_SERVER = ("event", "schema_version", "received_at")
 
 
-class FeedbackRequest(BaseModel):
+def _document_inputs(schema: JsonDict) -> None:
+    """`FeedbackRequest`'s JSON schema: the fields a sender gives, `occurred_at` nullable."""
+    properties = schema["properties"]
+    assert isinstance(properties, dict)
+    for name in _SET_BY_THE_SERVER:
+        del properties[name]
+    properties["occurred_at"] = {"anyOf": [{"type": "string", "format": "date-time"},
+                                           {"type": "null"}],
+                                 "default": None, "title": "Occurred At"}
+
+
+# The body is validated straight into the wire event (ingest/events.py), once, by its own rules.
+class FeedbackRequest(FeedbackReceived):
     """What the product sends about one generation (`generation_id`), or its verdict on a
-    whole agent session (`session_id`: every generation of it): exactly one of the two."""
+    whole agent session (`session_id`: every generation of it): exactly one of the two.
+    `occurred_at` null or absent means when received."""
 
-    event_id: str = Field(min_length=1, max_length=128)
-    generation_id: str | None = Field(default=None, min_length=1, max_length=128)
-    session_id: str | None = Field(default=None, min_length=1, max_length=128)
-    kind: FeedbackKind
-    value: float | None = Field(default=None, strict=True, allow_inf_nan=False)
-    occurred_at: datetime | None = None
-    source: str = Field(default="api", max_length=64)
+    model_config = ConfigDict(json_schema_extra=_document_inputs)
+
+    @field_validator(*_SET_BY_THE_SERVER, mode="before")
+    @classmethod
+    def _server_value(cls, _: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+
+    @field_validator("occurred_at", mode="before")
+    @classmethod
+    def _null_is_now(cls, value: Any) -> Any:
+        return utcnow() if value is None else value
 
 
 class FeedbackAccepted(BaseModel):

@@ -38,6 +38,7 @@ class Services:
     metrics: Metrics = field(default_factory=Metrics)
     celery: Any | None = None  # the Celery app release tasks go to; built on first use
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
+    feedback: FeedbackIntake | None = None  # see feedback_intake()
 
     def release_tasks(self) -> Any:
         if self.celery is None:
@@ -45,4 +46,12 @@ class Services:
 
             self.celery = make_celery(self.settings)
         return self.celery
-    feedback: FeedbackIntake | None = None  # built on first use when absent (tests)
+
+    def feedback_intake(self) -> FeedbackIntake:
+        """The feedback webhooks' group committer (app/feedback_intake.py), started on first
+        use."""
+        if self.feedback is None:
+            self.feedback = FeedbackIntake(
+                producer=self.producer, topic=self.kafka.topics.feedback, db=self.db,
+                delivery_timeout_s=self.kafka.delivery_timeout_ms / 1000)
+        return self.feedback

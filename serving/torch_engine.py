@@ -3,10 +3,10 @@
 All model work runs on one engine thread, so requests never fight over the weights; the
 asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
 requests (prefilled together in one padded forward, or each alone in batch-invariant mode, then
-joined to the batch), run one batched decode step over
-every active row (`serving.batching.PaddedKVBatch`), sample each row with its own seeded
-generator, let finished or cancelled rows leave. A request's tokens and logprobs therefore do
-not depend on what else is in the batch beyond float tolerance (bitwise with
+joined to the batch), run one batched decode step over every active row
+(`serving.batching.PaddedKVBatch`), sample each row with its own seeded generator
+(serving/sequence.py), let finished or cancelled rows leave. A request's tokens and logprobs
+therefore do not depend on what else is in the batch beyond float tolerance (bitwise with
 `batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
 token with kernels/moe_replay. With `prefix_cache_tokens`, a prompt that starts with a
 sequence computed recently (the previous turn of a conversation, the same prompt sampled again)
@@ -19,7 +19,6 @@ prefills only its new tokens (serving/prefix_cache.py).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -28,29 +27,26 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kernels.weights import state_dict_sha256
 from serving.batching import PaddedKVBatch, joined_row_kv, prefill_inputs
-from serving.detokenize import TextTracker
 from serving.engine import (
     EngineClosedError,
     EngineError,
-    FinishReason,
     GenerationDelta,
     GenerationRequest,
     GenerationResult,
     ModelVersion,
     SwapTiming,
-    TopLogprobs,
+    collect,
 )
 from serving.prefix_cache import PrefixCache
-from serving.sampling import sample_next, top_alternatives
+from serving.sequence import EngineSequence
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +57,6 @@ class _Swap:
     version: ModelVersion
     future: concurrent.futures.Future[SwapTiming]
     requested_at: float
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One request on the engine thread, plus the way back to its asyncio consumer."""
-
-    request: GenerationRequest
-    generator: torch.Generator
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[GenerationDelta | Exception]
-    text: TextTracker
-    stop_ids: frozenset[int]
-    want_deltas: bool
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[TopLogprobs] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # each (n, L, K) int16
-    cancelled: bool = False
-    weights_epoch: int = 0  # the engine's weights when prefilled: cache its KV only if current
-
-    def send(self, item: GenerationDelta | Exception) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody waits
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 @contextlib.contextmanager
@@ -119,10 +92,10 @@ class TorchEngine:
         self._rng = random.Random(seed)
         self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
                                   if i is not None)
-        self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineSequence | None] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
-        self._rows: list[_Sequence] = []
+        self._rows: list[EngineSequence] = []
         self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
         self._pending_swap: _Swap | None = None
         self._batch = PaddedKVBatch()
@@ -165,7 +138,7 @@ class TorchEngine:
         return len(self._rows)
 
     # ---- asyncio side -------------------------------------------------------------------
-    def _open(self, request: GenerationRequest, *, want_deltas: bool) -> _Sequence:
+    def _open(self, request: GenerationRequest, *, want_deltas: bool) -> EngineSequence:
         if self._closed.is_set():
             raise EngineClosedError("engine is closed")
         prompt = request.prompt_token_ids
@@ -177,35 +150,17 @@ class TorchEngine:
             raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
                               f"exceeds the context ({self.max_context})")
         seed = request.seed if request.seed is not None else self._rng.getrandbits(63)
-        seq = _Sequence(request=request, generator=torch.Generator().manual_seed(seed),
-                        loop=asyncio.get_running_loop(), out=asyncio.Queue(),
-                        text=TextTracker(self.tokenizer, request.stop),
-                        stop_ids=self._eos_ids | frozenset(request.stop_token_ids),
-                        want_deltas=want_deltas)
+        seq = EngineSequence.open(request, self.tokenizer, seed=seed, eos_ids=self._eos_ids,
+                                  want_deltas=want_deltas)
         self._inbox.put(seq)
         return seq
 
-    async def _deltas(self, seq: _Sequence) -> AsyncIterator[GenerationDelta]:
-        try:
-            while True:
-                item = await seq.out.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.result is not None:
-                    return
-        finally:
-            seq.cancelled = True  # a no-op once finished; otherwise the row leaves next step
-
     def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas as tokens are sampled; closing the iterator early cancels the generation."""
-        return self._deltas(self._open(request, want_deltas=True))
+        return self._open(request, want_deltas=True).deltas()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        async for delta in self._deltas(self._open(request, want_deltas=False)):
-            if delta.result is not None:
-                return delta.result
-        raise EngineError("generation ended without a result")
+        return await collect(self._open(request, want_deltas=False).deltas())
 
     def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Run `fn(model)` on the engine thread between two decode steps (e.g. a hot-swap)."""
@@ -287,7 +242,7 @@ class TorchEngine:
 
     def _admit(self, recorder: Any) -> None:
         block = not self._rows
-        joining: list[_Sequence] = []
+        joining: list[EngineSequence] = []
         while len(self._rows) + len(joining) < self.max_batch:
             try:
                 seq = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
@@ -297,19 +252,19 @@ class TorchEngine:
             if seq is None:
                 break
             if seq.cancelled:
-                self._finish(seq, "cancelled")
+                seq.finish("cancelled", self._version)
                 continue
             joining.append(seq)
         for wave in self._waves(joining):
             self._prefill_wave(wave, recorder)
 
-    def _waves(self, joining: list[_Sequence]) -> list[list[_Sequence]]:
+    def _waves(self, joining: list[EngineSequence]) -> list[list[EngineSequence]]:
         """With a prefix cache, repeats of a prompt (a GRPO group's G copies) wait for the
         first copy's prefill, then reuse all of it but the last token."""
         if self.prefix_cache is None:
             return [joining]
-        first: list[_Sequence] = []
-        repeats: list[_Sequence] = []
+        first: list[EngineSequence] = []
+        repeats: list[EngineSequence] = []
         seen: set[tuple[int, ...]] = set()
         for seq in joining:
             prompt = tuple(seq.request.prompt_token_ids)
@@ -317,7 +272,7 @@ class TorchEngine:
             seen.add(prompt)
         return [wave for wave in (first, repeats) if wave]
 
-    def _prefill_wave(self, wave: list[_Sequence], recorder: Any) -> None:
+    def _prefill_wave(self, wave: list[EngineSequence], recorder: Any) -> None:
         if len(wave) > 1 and not self._bitwise:
             try:  # one forward for every request that arrived since the last step
                 self._prefill(wave, recorder)
@@ -336,7 +291,7 @@ class TorchEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _prefill(self, seqs: list[_Sequence], recorder: Any) -> None:
+    def _prefill(self, seqs: list[EngineSequence], recorder: Any) -> None:
         """Feed `seqs`' prompts, past any cached prefix, in one forward (rows padded as in
         `serving.batching.prefill_inputs`), then each row samples its first token and, unless
         finished, joins the decode batch. Raises only if the forward fails (nothing joined)."""
@@ -348,7 +303,7 @@ class TorchEngine:
         inputs = prefill_inputs(prompts, hits)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         routes = recorder.pop_step().routes if recorder is not None else None  # (B, N, L, K)
-        joining: list[tuple[_Sequence, Any, int]] = []
+        joining: list[tuple[EngineSequence, Any, int]] = []
         for b, (seq, prompt, hit) in enumerate(zip(seqs, prompts, hits, strict=True)):
             try:
                 new = len(prompt) - (hit.length if hit is not None else 0)
@@ -367,7 +322,7 @@ class TorchEngine:
         self._rows += [seq for seq, _, _ in joining]
         self._batch.extend([(row, length) for _, row, length in joining])
 
-    def _first_token(self, seq: _Sequence, prompt: list[int], row: Any,
+    def _first_token(self, seq: EngineSequence, prompt: list[int], row: Any,
                      logits: torch.Tensor) -> bool:
         """A prefilled request: cache its keys/values (`row`, a batch-1 cache over the
         prompt), sample its first token; True unless that finished it."""
@@ -375,7 +330,7 @@ class TorchEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, [(layer.keys, layer.values) for layer in row.layers],
                                      torch.cat(seq.routes) if seq.routes else None)
-        return not self._sample(seq, logits)
+        return not seq.sample(logits, self._version)
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows
@@ -397,14 +352,14 @@ class TorchEngine:
         for b, seq in enumerate(rows):
             if routes is not None:
                 seq.routes.append(routes[b:b + 1])
-            if not self._sample(seq, logits[b]):
+            if not seq.sample(logits[b], self._version):
                 keep.append(b)
             else:
                 self._cache_finished(seq, b)
         self._rows = [rows[b] for b in keep]
         self._batch.keep(keep)
 
-    def _cache_finished(self, seq: _Sequence, row: int) -> None:
+    def _cache_finished(self, seq: EngineSequence, row: int) -> None:
         """Keep a finished row's keys/values: its prompt and every sampled token but the last
         (never fed), which the next turn of its conversation starts with."""
         if self.prefix_cache is None or seq.weights_epoch != self._weights_epoch:
@@ -419,49 +374,9 @@ class TorchEngine:
             return
         for seq in self._rows:
             if seq.cancelled:
-                self._finish(seq, "cancelled")
+                seq.finish("cancelled", self._version)
         self._rows = [self._rows[b] for b in keep]
         self._batch.keep(keep)
-
-    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> bool:
-        """Sample the next token of `seq` from `logits` (V,); True when `seq` finished."""
-        req = seq.request
-        token, logprob, dist = sample_next(logits, temperature=req.temperature, top_p=req.top_p,
-                                           generator=seq.generator)
-        tops = top_alternatives(dist, req.top_logprobs)
-        seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        if req.top_logprobs:
-            seq.tops.append(tops)
-        text = seq.text.push(token)
-        finish: FinishReason | None = None
-        if token in seq.stop_ids or seq.text.stopped:
-            finish = "stop"
-        elif len(seq.tokens) >= req.max_tokens:
-            finish = "length"
-        if finish is not None:
-            self._finish(seq, finish, text=text, token=(token, logprob, tops))
-            return True
-        if seq.want_deltas:
-            seq.send(GenerationDelta(token_ids=[token], logprobs=[logprob], text=text,
-                                     top_logprobs=[tops] if req.top_logprobs else []))
-        return False
-
-    def _finish(self, seq: _Sequence, reason: FinishReason, *, text: str = "",
-                token: tuple[int, float, TopLogprobs] | None = None) -> None:
-        text += seq.text.finish()
-        routes = None
-        if seq.routes:
-            routes = torch.cat(seq.routes).numpy().astype(np.int16)  # (P + T - 1, L, K)
-        result = GenerationResult(
-            token_ids=list(seq.tokens), logprobs=list(seq.logprobs), finish_reason=reason,
-            version=self._version, text=seq.text.text, top_logprobs=list(seq.tops),
-            routed_experts=routes)
-        tok, lp, tops = token if token is not None else (None, None, [])
-        seq.send(GenerationDelta(
-            token_ids=[tok] if tok is not None else [], logprobs=[lp] if lp is not None else [],
-            text=text, top_logprobs=[tops] if tok is not None and seq.request.top_logprobs
-            else [], finish_reason=reason, result=result))
 
     def _fail_active(self, exc: Exception) -> None:
         for seq in self._rows:

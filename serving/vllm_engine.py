@@ -42,6 +42,7 @@ from serving.engine import (
     ModelVersion,
     SwapTiming,
     TopLogprobs,
+    collect,
 )
 
 if TYPE_CHECKING:
@@ -196,10 +197,7 @@ class VllmEngine:
                 await self._llm.abort(request_id)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        async for delta in self.stream(request):
-            if delta.result is not None:
-                return delta.result
-        raise EngineError("generation ended without a result")
+        return await collect(self.stream(request))
 
     def swap_weights(self, commit: Callable[[MutableMapping[str, Any]], object],
                      version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:

@@ -6,10 +6,10 @@ import time
 
 from fastapi import APIRouter
 
+from app.completion_plan import SERVED_MODEL
 from app.deps import ServicesDep
 from app.errors import ApiError, error_responses
 from app.openai_schemas import ModelCard, ModelList
-from app.routes.completions import SERVED_MODEL
 from app.services import Services
 
 router = APIRouter(tags=["inference"])

@@ -205,6 +205,26 @@ def test_malformed_json_is_422(http: httpx.Client) -> None:
     r = http.post("/v1/feedback", content=body, headers={SIGNATURE_HEADER: sign(
         "new-secret", None, body)})
     assert r.status_code == 422, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_json", None)
+
+
+@pytest.mark.parametrize("body", [b'{"event_id": "e",', b'{"events": []}', b""])
+def test_the_signature_is_checked_before_the_body_is_read(http: httpx.Client,
+                                                          body: bytes) -> None:
+    for path in ("/v1/feedback", "/v1/feedback/batch"):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 401, r.text
+
+
+def test_the_server_sets_the_time_received_and_the_schema_version(
+        stack: RunningStack, http: httpx.Client) -> None:
+    e = event(received_at="2001-01-01T00:00:00Z", schema_version=1, occurred_at=None)
+    sent_at = time.time()
+    assert post(http, "/v1/feedback", e).status_code == 202
+    [logged] = [f for f in produced(stack) if f.event_id == e["event_id"]]
+    assert logged.schema_version == 2
+    assert logged.received_at.timestamp() >= sent_at - 1
+    assert logged.occurred_at.timestamp() >= sent_at - 1  # null: when received
 
 
 def test_oversized_is_413(stack: RunningStack, http: httpx.Client) -> None:
