@@ -37,7 +37,7 @@ def build_services(settings: Settings) -> Services:
     from ingest.log import EventProducer, ensure_topics
     from ingest.session_log import SessionLog
     from ingest.spool import Spool
-    from serving.engine import build_engine
+    from serving.backends import build_engine
     from trainer.init_model import init_model
 
     if settings.kafka_bootstrap is None:

@@ -7,7 +7,8 @@ each position was routed to when the backend can capture them, and the model ver
 
 `stream()` yields `GenerationDelta`s as tokens are sampled; the last one carries the whole
 `GenerationResult`. Closing the stream early (a client went away) cancels the generation.
-`build_engine` picks the backend named in `EngineSettings` and imports only that one.
+The backends: `serving.torch_engine`, `serving.vllm_engine`; `serving.backends.build_engine`
+picks the one `EngineSettings` names.
 """
 
 from __future__ import annotations
@@ -15,13 +16,9 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from serving.config import EngineSettings
 
 FinishReason = Literal["stop", "length", "cancelled"]
 TopLogprobs = list[tuple[int, float]]  # (token_id, logprob) pairs, best first
@@ -124,19 +121,3 @@ async def collect(deltas: AsyncIterator[GenerationDelta]) -> GenerationResult:
         if delta.result is not None:
             return delta.result
     raise EngineError("generation stream ended without a result")
-
-
-def build_engine(settings: EngineSettings, model_dir: Path, *, version_number: int = 0,
-                 batch_invariant: bool = False) -> Engine:
-    """The backend `settings.backend` names; the other backend is never imported."""
-    if settings.backend == "vllm":
-        from serving.vllm_engine import VllmEngine
-
-        return VllmEngine.load(model_dir, settings, version_number=version_number,
-                               batch_invariant=batch_invariant)
-    from serving.torch_engine import TorchEngine
-
-    return TorchEngine.load(model_dir, version_number=version_number, seed=settings.seed,
-                            threads=settings.threads, max_batch=settings.max_batch,
-                            batch_invariant=batch_invariant,
-                            prefix_cache_tokens=settings.prefix_cache_tokens)

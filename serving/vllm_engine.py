@@ -13,7 +13,7 @@ vLLM does the continuous batching, paged KV cache and CUDA graphs; this adapter 
   verified commit to a host copy of the HF state dict, load it into every worker in place
   (`collective_rpc` into `FlywheelWorkerExtension`), resume.
 
-Imported only when `settings.engine.backend == "vllm"` (see `serving.engine.build_engine`);
+Imported only when `settings.engine.backend == "vllm"` (see `serving.backends.build_engine`);
 nothing here imports vLLM at module import time. Written against vLLM 0.32's API.
 """
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from app.settings import Settings
 from kernels.batch_invariant import is_batch_invariant
-from serving.engine import build_engine
+from serving.backends import build_engine
 from trainer.online import OnlineTrainer
 
 

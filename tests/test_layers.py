@@ -1,0 +1,102 @@
+"""The package layers of DESIGN.md, checked on the source: `app → trainer → simulate → serving →
+{ingest, kernels}`; nothing imports upward, ingest and kernels not each other, and no two
+files import each other in a circle (imports inside functions count: they only defer one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# each package with the packages it may import
+LAYERS = {
+    "app": {"trainer", "simulate", "serving", "ingest", "kernels"},
+    "trainer": {"simulate", "serving", "ingest", "kernels"},
+    "simulate": {"serving", "ingest", "kernels"},
+    "serving": {"ingest", "kernels"},
+    "ingest": set(),
+    "kernels": set(),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the service packages by dotted name (`pkg/__init__.py` as `pkg`)."""
+    found = {}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports, anywhere in the file."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from pkg import module` names a module; `from module import name` does not
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
+                     else node.module for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def test_no_package_imports_upward() -> None:
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        package = name.split(".")[0]
+        for target in imports(path, known) - {name}:
+            other = target.split(".")[0]
+            if other != package and other not in LAYERS[package]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_two_files_import_each_other_in_a_circle() -> None:
+    known = modules()
+    graph = {name: imports(path, known) - {name} for name, path in known.items()}
+    circles = [component for component in _strongly_connected(graph) if len(component) > 1]
+    assert not circles, "import circles: " + "; ".join(" ↔ ".join(sorted(c)) for c in circles)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of `graph`."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            components.append(component)
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return components
