@@ -251,8 +251,15 @@ def bench_join(settings: Settings, sessions: int, expected: int, database_url: s
     comes before its session (stored, then claimed: the join's slow path)."""
     import multiprocessing
 
+    from ingest.log import ensure_topics
+
     ctx = multiprocessing.get_context("spawn")
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
+    # a topic of its own for each run's experiences: a join reads what is on the topic at
+    # start and does not make again what it finds there (its recovery scan)
+    kafka = kafka.model_copy(update={"topics": kafka.topics.model_copy(
+        update={"experiences": f"experiences-{uuid.uuid4().hex[:8]}"})})
+    ensure_topics(kafka)
     join_settings = settings.join.model_copy(update={"group_id": f"bench-{uuid.uuid4().hex}"})
     shared: dict[str, Any] = {
         "go": ctx.Event(), "feedback_go": ctx.Event(), "stop": ctx.Event(),

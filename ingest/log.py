@@ -119,8 +119,15 @@ class EventProducer:
         """Send (key, value) records and wait until the broker has acknowledged every one;
         returns their RecordMetadata (partition, offset), in order. Raises the broker's error
         for the first that failed, KafkaTimeoutError past `timeout_s`: the caller retries,
-        and consumers dedupe the copies by key."""
-        futures = [self.send_raw(topic, key, value) for key, value in records]
+        and consumers dedupe the copies by key. Each record's partition is computed here
+        (`partition_for`, what `Crc32Partitioner` gives), which spares kafka-python's
+        partitioner call per record."""
+        count, send = self.partitions(topic), self._producer.send
+        futures = []
+        for key, value in records:
+            key_bytes = key.encode("utf-8") if isinstance(key, str) else key
+            futures.append(send(topic, key=key_bytes, value=value,
+                                partition=partition_for(key_bytes, count)))
         self.flush(timeout_s)  # no linger: the records sent together are the batch
         return [future.get(timeout=0) for future in futures]
 
