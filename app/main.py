@@ -7,6 +7,7 @@ starts the embedded one first). Tests may pass ready-made `Services` instead.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -88,6 +89,19 @@ def close_services(services: Services) -> None:
     services.db.dispose()
 
 
+def settle_heap() -> None:
+    """Exempt what start-up built from the cyclic garbage collector's full passes.
+
+    A serving process holds about half a million long-lived objects after start-up (torch,
+    transformers, the tokenizer, the app), which every full (generation 2) collection walks:
+    under webhook traffic those ran every second or so and stopped the event loop 135-260 ms
+    each, which was the feedback endpoints' p99 (`bench/feedback.py`, docs/benchmarks.md).
+    `gc.freeze()` moves them to the permanent generation; objects made later are collected as
+    before."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,6 +114,8 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
             from app.celery_app import start_release_worker
 
             worker = start_release_worker(settings, app.state.services.release_tasks())
+        if owned:
+            settle_heap()
         try:
             yield
         finally:
