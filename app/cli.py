@@ -103,6 +103,7 @@ def train_online_rank(settings_json: str, release: bool) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from app.heap import settle_heap
     from ingest.join import run_join
 
     settings = _settings(args)
@@ -112,6 +113,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return 2
     stop = stop_on_signals()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settle_heap()
     run_join(settings.kafka_config(kafka), settings.join,
              database_url=settings.resolved_join_database_url, stop=stop)
     return 0

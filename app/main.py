@@ -7,7 +7,6 @@ starts the embedded one first). Tests may pass ready-made `Services` instead.
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 
 from app.errors import error_responses, install_error_handlers
 from app.guard import RequestGuard
+from app.heap import settle_heap
 from app.metrics import Metrics
 from app.routes import admin, completions, feedback, health, models
 from app.routes import metrics as metrics_route
@@ -87,19 +87,6 @@ def close_services(services: Services) -> None:
     services.producer.close()
     services.engine.close()
     services.db.dispose()
-
-
-def settle_heap() -> None:
-    """Exempt what start-up built from the cyclic garbage collector's full passes.
-
-    A serving process holds about half a million long-lived objects after start-up (torch,
-    transformers, the tokenizer, the app), which every full (generation 2) collection walks:
-    under webhook traffic those ran every second or so and stopped the event loop 135-260 ms
-    each, which was the feedback endpoints' p99 (`bench/feedback.py`, docs/benchmarks.md).
-    `gc.freeze()` moves them to the permanent generation; objects made later are collected as
-    before."""
-    gc.collect()
-    gc.freeze()
 
 
 def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:

@@ -191,9 +191,11 @@ def _join_member(kafka: Any, settings: Any, database_url: str, index: int,
     until the parent says go, so that every member is in the group before anything is read
     (a member joining later would stop the others for a rebalance). With `sessions_first`
     it reads its sessions partitions alone, untimed, then the feedback when told."""
+    from app.heap import settle_heap
     from ingest.join import Join
 
     join = Join(kafka, settings, database_url=database_url)
+    settle_heap()  # as `flywheel join` does
     go, feedback_go, assigned = shared["go"], shared["feedback_go"], shared["assigned"]
 
     def hold(partitions: set[Any]) -> None:

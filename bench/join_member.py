@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.heap import settle_heap  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from bench.feedback import event, produce_sessions  # noqa: E402
 from ingest.broker import EmbeddedBroker  # noqa: E402
@@ -68,6 +69,7 @@ def main() -> None:
             join.step()
         join.consumer.on_assigned.remove(hold_feedback)
         join.consumer.resume()
+        settle_heap()  # as `flywheel join` does
         print(f"ready: pid {os.getpid()}", flush=True)
         wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         while join.stats.experiences < args.events:
