@@ -181,8 +181,8 @@ class FsspecArtifactStore(ArtifactStore):
         base = self._path(prefix)
         if not self.fs.exists(base):
             return []
-        strip = len(self.fs._strip_protocol(self.root)) + 1
-        return sorted(self.fs._strip_protocol(p)[strip:] for p in self.fs.find(base))
+        # `find` names paths as `url_to_fs` named the root: without the protocol
+        return sorted(p[len(self.root) + 1:] for p in self.fs.find(base))
 
 
 def build_artifact_store(config: LocalStoreConfig | FsspecStoreConfig) -> ArtifactStore:
