@@ -78,16 +78,15 @@ _SIGNED = {"parameters": [{
 
 
 @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED, responses=_ERRORS,
-             openapi_extra=_SIGNED)
-async def post_feedback(event: FeedbackRequest, services: ServicesDep) -> FeedbackAccepted:
+             response_model=FeedbackAccepted, openapi_extra=_SIGNED)
+async def post_feedback(event: FeedbackRequest, services: ServicesDep) -> Response:
     [duplicate] = await accept(services, [event])
-    return FeedbackAccepted(event_id=event.event_id, duplicate=duplicate)
+    return _accepted(FeedbackAccepted(event_id=event.event_id, duplicate=duplicate))
 
 
 @router.post("/v1/feedback/batch", status_code=status.HTTP_202_ACCEPTED, responses=_ERRORS,
-             openapi_extra=_SIGNED)
-async def post_feedback_batch(batch: FeedbackBatchRequest,
-                              services: ServicesDep) -> FeedbackBatchAccepted:
+             response_model=FeedbackBatchAccepted, openapi_extra=_SIGNED)
+async def post_feedback_batch(batch: FeedbackBatchRequest, services: ServicesDep) -> Response:
     events, limit = batch.events, services.settings.feedback_batch_max
     if len(events) > limit:
         raise ApiError(status.HTTP_413_CONTENT_TOO_LARGE,
@@ -95,10 +94,18 @@ async def post_feedback_batch(batch: FeedbackBatchRequest,
                        code="batch_too_large")
     duplicates = await accept(services, events)
     repeated = sum(duplicates)
-    return FeedbackBatchAccepted(
+    return _accepted(FeedbackBatchAccepted(
         accepted=len(events) - repeated, duplicates=repeated,
         results=[FeedbackAccepted(event_id=e.event_id, duplicate=d)
-                 for e, d in zip(events, duplicates, strict=True)])
+                 for e, d in zip(events, duplicates, strict=True)]))
+
+
+def _accepted(reply: FeedbackAccepted | FeedbackBatchAccepted) -> Response:
+    """202 with `reply` serialized by its model. Returned as a Response, it is not validated
+    a second time by FastAPI against the route's `response_model` (which still documents it):
+    that took about a sixth of a single event's CPU on the event loop."""
+    return Response(reply.model_dump_json(), status.HTTP_202_ACCEPTED,
+                    media_type="application/json")
 
 
 async def accept(services: Services, events: Sequence[FeedbackRequest]) -> list[bool]:
