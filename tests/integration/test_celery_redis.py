@@ -18,8 +18,8 @@ from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import read_all
 from simulate.sandbox import SandboxJob, SandboxResult
-from tests.app.test_release_pipeline import make_checkpoint
 from tests.conftest import require_service
+from tests.trainer.test_release import make_checkpoint
 from trainer.release import Release
 
 pytestmark = pytest.mark.integration

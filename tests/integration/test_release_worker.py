@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.app.test_release_pipeline import make_checkpoint
 from tests.conftest import flywheel_up
+from tests.trainer.test_release import make_checkpoint
 
 pytestmark = pytest.mark.integration
 TOKEN = "release-worker-test-token"
