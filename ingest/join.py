@@ -271,6 +271,8 @@ class Join:
             stale_feedback = store.stale_pending(conn, store.JoinFeedback, cutoff)
             stale_verdicts = store.stale_pending(conn, store.JoinVerdict, cutoff)
             old_sessions = store.stale_sessions(conn, cutoff)
+        if not (stale_feedback or stale_verdicts or old_sessions):
+            return  # most sweeps: no flush, no write transaction
         letters = [(topics.feedback, g, p, f"unmatched: no session for generation {g} "
                     f"within {window}") for _, g, p in stale_feedback]
         letters += [(topics.feedback, s, p, f"unmatched: no generation of session {s} "
