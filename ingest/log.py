@@ -110,9 +110,11 @@ class EventProducer:
         """Queue one event; returns kafka-python's future (`.get()` waits for the ack)."""
         return self.send_raw(topic, key, encode(event))
 
-    def send_raw(self, topic: str, key: str | bytes | None, value: bytes) -> Any:
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes, *,
+                 partition: int | None = None) -> Any:
+        """Queue one record (partition None: `Crc32Partitioner`'s choice)."""
         key_bytes = key.encode("utf-8") if isinstance(key, str) else key
-        return self._producer.send(topic, key=key_bytes, value=value)
+        return self._producer.send(topic, key=key_bytes, value=value, partition=partition)
 
     def deliver(self, topic: str, records: Iterable[tuple[str | bytes, bytes]], *,
                 timeout_s: float) -> list[Any]:
@@ -122,12 +124,12 @@ class EventProducer:
         and consumers dedupe the copies by key. Each record's partition is computed here
         (`partition_for`, what `Crc32Partitioner` gives), which spares kafka-python's
         partitioner call per record."""
-        count, send = self.partitions(topic), self._producer.send
+        count = self.partitions(topic)
         futures = []
         for key, value in records:
             key_bytes = key.encode("utf-8") if isinstance(key, str) else key
-            futures.append(send(topic, key=key_bytes, value=value,
-                                partition=partition_for(key_bytes, count)))
+            futures.append(self.send_raw(topic, key_bytes, value,
+                                         partition=partition_for(key_bytes, count)))
         self.flush(timeout_s)  # no linger: the records sent together are the batch
         return [future.get(timeout=0) for future in futures]
 
