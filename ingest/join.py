@@ -142,9 +142,9 @@ class Join:
             fresh = [d.event for e, d in feedback.items() if e in unseen]
             known = {g: d.event for g, d in sessions.items()}
             known.update(store.stored_sessions(conn, {f.key for f in fresh} - known.keys()))
-            waiting = store.claim_waiting(conn, sessions.keys())
+            waiting = store.claim_feedback(conn, store.JoinFeedback.generation_id, sessions.keys())
             pairs = [(f, known[f.key]) for f in fresh if f.key in known]
-            pairs += [(f, known[f.key]) for f, _ in waiting]
+            pairs += [(f, known[f.key]) for f in waiting]
             matched = {s.generation_id for _, s in pairs}
             store.add_sessions(conn, [
                 store.SessionRow(g, d.raw.decode(), now, g in matched)
@@ -226,7 +226,7 @@ class Join:
                 conn, lambda generation_id: self._source(generation_id) in self.owned))
             if not found:
                 return
-            claimed = store.claim_pending(conn, found)
+            claimed = store.claim_feedback(conn, store.JoinFeedback.event_id, found)
             store.sessions_matched(conn, {found[f.event_id].generation_id for f in claimed})
             rewards = self.settings.rewards
             self._produce(conn, [(self._source(f.key), ExperienceReady.of(

@@ -186,15 +186,15 @@ def add_feedback(conn: Connection, rows: Sequence[FeedbackRow]) -> None:
     insert_rows(conn, "join_feedback", FeedbackRow._fields, rows, skip_existing=True)
 
 
-def claim_waiting(conn: Connection, generation_ids: Collection[str]
-                  ) -> list[tuple[FeedbackReceived, str]]:
-    """Claim the pending feedback about `generation_ids` (marked matched); returns it decoded
-    and as stored."""
-    payloads = [p for p, in _in(conn, update(JoinFeedback).where(
-        _IS_PENDING, col(JoinFeedback.generation_id).in_(IDS))
-        .values(state=MATCHED).returning(col(JoinFeedback.payload)),
-        generation_ids)]
-    return list(zip(decoded(FeedbackReceived, payloads), payloads, strict=True))
+def claim_feedback(conn: Connection, column: Any, ids: Collection[str]
+                   ) -> list[FeedbackReceived]:
+    """Claim the pending feedback whose `column` (`JoinFeedback.generation_id`: the feedback
+    waiting for these sessions; `JoinFeedback.event_id`: these events) is among `ids`, marking
+    it matched; returns what this call moved, decoded (a member that claimed a row first
+    keeps it, so each experience is made once)."""
+    return decoded(FeedbackReceived, [p for p, in _in(conn, update(JoinFeedback).where(
+        _IS_PENDING, col(column).in_(IDS))
+        .values(state=MATCHED).returning(col(JoinFeedback.payload)), ids)])
 
 
 def pending_with_sessions(conn: Connection, keep: Callable[[str], bool]
@@ -209,14 +209,6 @@ def pending_with_sessions(conn: Connection, keep: Callable[[str], bool]
         .where(_IS_PENDING)) if keep(g)]
     return list(zip([e for e, _ in rows], decoded(GenerationLogged, [s for _, s in rows]),
                     strict=True))
-
-
-def claim_pending(conn: Connection, event_ids: Collection[str]) -> list[FeedbackReceived]:
-    """Claim the pending feedback `event_ids` (marked matched); returns those this call moved,
-    decoded (a member that claimed one first keeps it)."""
-    return decoded(FeedbackReceived, [p for p, in _in(conn, update(JoinFeedback).where(
-        _IS_PENDING, col(JoinFeedback.event_id).in_(IDS))
-        .values(state=MATCHED).returning(col(JoinFeedback.payload)), event_ids)])
 
 
 # ---- session verdicts -------------------------------------------------------------------
