@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/flywheel demo
 
+# the console's browser test drives Debian's chromium and chromedriver (installed once, quietly)
 test: $(STAMP)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium chromium-driver >/dev/null; }
 	$(BIN)/python -m pytest -q --durations=15
 
 # bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)

@@ -155,7 +155,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     if settings.model_dir is None:
         init_model(settings.model, model_dir)
     job = (cfg.model_dump_json(), str(model_dir), str(run_dir), not args.no_progress,
-           settings.batch_invariant)
+           settings.batch_invariant, settings.trackers.model_dump_json())
     if args.nproc is None:  # one process, or one rank of a world torchrun started
         return bootstrap_rank(*job)
     from trainer.distributed import launch
@@ -165,7 +165,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
-                   batch_invariant: bool) -> int:
+                   batch_invariant: bool, trackers_json: str | None = None) -> int:
     """One rank of `flywheel bootstrap` (the whole of it in the one-process world): the
     leader runs the bootstrap and prints its JSON line, the others follow its training."""
     import json
@@ -173,12 +173,15 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
     from trainer.bootstrap_config import BootstrapSettings
     from trainer.distributed import join_world, leave_world
     from trainer.offline import run_bootstrap
+    from trainer.trackers import TrackerSettings
 
     cfg = BootstrapSettings.model_validate_json(cfg_json)
+    trackers = TrackerSettings.model_validate_json(trackers_json or "{}")
     world = join_world(timeout_s=1800.0)  # the others wait in one while the leader evaluates
     try:
         summary = run_bootstrap(cfg, Path(model_dir), Path(run_dir), progress=progress,
-                                batch_invariant=batch_invariant, world=world)
+                                batch_invariant=batch_invariant, world=world,
+                                trackers=trackers)
     finally:
         leave_world(world)
     if world.leader:

@@ -20,7 +20,7 @@ from app.errors import error_responses, install_error_handlers
 from app.guard import RequestGuard
 from app.heap import settle_heap
 from app.metrics import Metrics
-from app.routes import admin, completions, feedback, health, models
+from app.routes import admin, completions, console, feedback, health, models
 from app.routes import metrics as metrics_route
 from app.routes import releases as releases_route
 from app.routes import trainer as trainer_route
@@ -58,11 +58,14 @@ def build_services(settings: Settings) -> Services:
     producer = EventProducer(kafka, client_id="flywheel-api")
     session_log = SessionLog(kafka, Spool(settings.data_dir / "spool" / "sessions.jsonl")).start()
     metrics = Metrics()
-    metrics.bind(engine=engine, session_log=session_log)
     if not settings.feedback_secrets:
         log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
-    return Services(settings=settings, kafka=kafka, engine=engine, producer=producer, db=db,
-                    tokenizer=engine.tokenizer, session_log=session_log, metrics=metrics)
+    services = Services(settings=settings, kafka=kafka, engine=engine, producer=producer,
+                        db=db, tokenizer=engine.tokenizer, session_log=session_log,
+                        metrics=metrics)
+    metrics.bind(engine=engine, session_log=session_log, trainer_db=db,
+                 join_lag=lambda: services.console_feeds().join_lag())
+    return services
 
 
 def start_release_follower(services: Services) -> None:
@@ -83,6 +86,8 @@ def close_services(services: Services) -> None:
         services.session_log.close()
     if services.feedback is not None:
         services.feedback.close()
+    if services.console is not None:
+        services.console.close()
     services.producer.flush(timeout_s=services.kafka.delivery_timeout_ms / 1000)
     services.producer.close()
     services.engine.close()
@@ -113,7 +118,7 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
 
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
     for module in (completions, feedback, models, admin, releases_route, trainer_route,
-                   health, metrics_route):
+                   health, metrics_route, console):
         app.include_router(module.router)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)  # outermost

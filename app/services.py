@@ -39,6 +39,7 @@ class Services:
     celery: Any | None = None  # the Celery app release tasks go to; built on first use
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
     feedback: FeedbackIntake | None = None  # see feedback_intake()
+    console: Any | None = None  # app.console.ConsoleFeeds, see console_feeds()
 
     def release_tasks(self) -> Any:
         if self.celery is None:
@@ -55,3 +56,11 @@ class Services:
                 producer=self.producer, topic=self.kafka.topics.feedback, db=self.db,
                 delivery_timeout_s=self.kafka.delivery_timeout_ms / 1000)
         return self.feedback
+
+    def console_feeds(self) -> Any:
+        """The console's Kafka-side figures (app/console.py), started on first use."""
+        if self.console is None:
+            from app.console import ConsoleFeeds
+
+            self.console = ConsoleFeeds(self.settings, self.kafka)
+        return self.console

@@ -26,6 +26,7 @@ from trainer.bootstrap_config import BootstrapSettings
 from trainer.config import TinyMoeSettings
 from trainer.online_config import OnlineTrainerSettings
 from trainer.release_config import ReleaseConfig, ReleaseSettings
+from trainer.trackers import TrackerSettings
 
 Profile = Literal["embedded", "production"]
 
@@ -68,6 +69,7 @@ class Settings(BaseSettings):
     release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()
     online: OnlineTrainerSettings = OnlineTrainerSettings()
+    trackers: TrackerSettings = TrackerSettings()  # TensorBoard, MLflow (trainer/trackers.py)
 
     @model_validator(mode="after")
     def _production_needs_services(self) -> Settings:

@@ -50,6 +50,7 @@ from trainer.rollout_workers import (
     make_engine,
 )
 from trainer.task_sampler import TaskSampler
+from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ class GrpoRun:
 
 def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out: list[Task],
              *, cache: SandboxCache, metrics_path: Path | None = None,
-             eval_engine: TorchEngine | None = None, progress: bool = True) -> GrpoRun:
+             eval_engine: TorchEngine | None = None, progress: bool = True,
+             trackers: Trackers | None = None) -> GrpoRun:
     """Pipelined GRPO until `max_steps` or `time_budget_s`; evaluates every `eval_every`."""
     from tqdm import tqdm
 
@@ -251,6 +253,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             run.history.append(record)
             if metrics_path is not None:
                 append_metrics(metrics_path, record)
+            if trackers is not None:
+                trackers.report(run.steps, record)
             bar.update(min(bar.total, round(record["wall_s"])) - bar.n)
             bar.set_postfix(step=run.steps, reward=f"{metrics['reward']:.2f}",
                             solved=f"{metrics['solved']:.2f}", refresh=False)
@@ -309,12 +313,14 @@ def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
 
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                   progress: bool = True, batch_invariant: bool = False,
-                  world: World | None = None) -> dict[str, Any]:
+                  world: World | None = None,
+                  trackers: TrackerSettings | None = None) -> dict[str, Any]:
     """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
     engines are copies of the policy's model, so they inherit the switch). Over the ranks of
     `world` the policy is sharded; the leader runs everything else (tasks, rollout workers,
-    evals, files) and the others follow its training phases, then return {}."""
+    evals, files) and the others follow its training phases, then return {}. `trackers`:
+    where step metrics go besides metrics.jsonl (default: TensorBoard under run_dir)."""
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr, world=world,
@@ -323,13 +329,14 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         policy.follow()
         return {}
     try:
-        return _bootstrap(policy, cfg, run_dir, progress=progress)
+        return _bootstrap(policy, cfg, run_dir, progress=progress,
+                          trackers=trackers or TrackerSettings())
     finally:
         policy.finish()
 
 
 def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
-               progress: bool) -> dict[str, Any]:
+               progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
     from simulate.tasks import build_task_source
     from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
 
@@ -341,18 +348,22 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
     mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), progress=progress)
     cache = SandboxCache()
     eval_engine = make_engine(policy, cfg, seed=cfg.seed)
+    tracked = build_trackers(trackers, "bootstrap", run_dir,
+                             params=cfg.model_dump(mode="json", exclude={"tasks"}))
     try:
         start_eval = evaluate(eval_engine, cfg, held_out, cache)
         before = pass_rate(start_eval)
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
                        eval_engine=eval_engine,
-                       metrics_path=run_dir / "metrics.jsonl", progress=progress)
+                       metrics_path=run_dir / "metrics.jsonl", progress=progress,
+                       trackers=tracked)
         if not run.evals or run.evals[-1][0] != run.steps:
             load_weights(eval_engine, policy.version, policy.state_dict())
             run.add_eval(evaluate(eval_engine, cfg, held_out, cache))
         after = run.evals[-1][1]
     finally:
+        tracked.close()
         eval_engine.close()
     policy.save(run_dir / "model")
     plot_run(run, before, run_dir / "reward.png")

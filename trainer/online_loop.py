@@ -26,6 +26,7 @@ from trainer.distributed import World
 from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
 from trainer.release import ReleaseSink
+from trainer.trackers import Trackers, build_trackers
 
 log = logging.getLogger(__name__)
 Offsets = dict[str, int]  # "topic:partition" -> next offset to read
@@ -141,8 +142,10 @@ class OnlineLoop:
                  candidate_dir: Path, latest_candidate: Path | None = None,
                  release_sink: ReleaseSink | None = None,
                  control: TrainerControl | None = None,
-                 on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+                 on_step: Callable[[dict[str, float]], None] | None = None,
+                 trackers: Trackers | None = None) -> None:
         self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
+        self.trackers = trackers
         self.candidate_dir, self.latest_candidate = candidate_dir, latest_candidate
         self.release_sink, self.control, self.on_step = release_sink, control, on_step
         self.pending: list[Delivered[Any]] = []
@@ -186,6 +189,8 @@ class OnlineLoop:
         if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
             self._checkpoint()
         log.info("step %d %s", self.trainer.state.step, metrics)
+        if self.trackers is not None:
+            self.trackers.report(self.trainer.state.step, metrics)
         if self.on_step is not None:
             self.on_step(metrics)
         self._publish_status()
@@ -279,12 +284,16 @@ def run_online(settings: Any, *, world: World | None = None,
     ensure_topics(kafka)
     dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
     source = ExperienceSource(kafka, group_id=cfg.group_id, dlq=dlq)
+    trackers = build_trackers(settings.trackers, "online", root,
+                              params=cfg.model_dump(mode="json", exclude={"baseline"}))
     try:
         loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
                           latest_candidate=settings.resolved_candidate_path,
-                          release_sink=release_sink, control=control, on_step=on_step)
+                          release_sink=release_sink, control=control, on_step=on_step,
+                          trackers=trackers)
         return loop.run(stop)
     finally:
+        trackers.close()
         trainer.finish()
         source.close()
         dlq.close()

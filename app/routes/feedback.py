@@ -10,7 +10,9 @@ while the broker or the receipt ledger is unavailable; errors in the API's one s
 
 Replies 202 once the broker has acknowledged every new event, keyed by the generation or
 session it judges; a repeated `event_id` is accepted (`duplicate: true`) and not produced
-again (app/feedback_intake.py: receipts in SQL, recent ids in memory).
+again (app/feedback_intake.py: receipts in SQL, recent ids in memory). Refusals are counted
+by reason in `flywheel_feedback_rejected_total` (app/metrics.py; a body refused by its
+declared Content-Length in app/guard.py, before any route, is not among them).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
 from app.deps import ServicesDep, get_services
-from app.errors import ApiError, error_responses
+from app.errors import ApiError, BodyTooLarge, error_responses
 from app.feedback_intake import FeedbackLogUnavailable
 from app.schemas import (
     FeedbackAccepted,
@@ -48,22 +51,42 @@ def check_signature(settings: Settings, header: str | None, body: bytes) -> None
                        code="invalid_signature") from exc
 
 
+def rejection_reason(exc: Exception) -> str | None:
+    """The `flywheel_feedback_rejected_total` reason of a refusal, None if not one."""
+    if isinstance(exc, RequestValidationError):
+        return "invalid_body"
+    if isinstance(exc, BodyTooLarge):
+        return "request_too_large"
+    if isinstance(exc, ApiError):
+        if exc.status_code == status.HTTP_503_SERVICE_UNAVAILABLE:
+            return "log_unavailable"
+        return {"invalid_signature": "invalid_signature", "batch_too_large": "batch_too_large",
+                "request_too_large": "request_too_large"}.get(exc.code or "", "invalid_body")
+    return None
+
+
 class SignedRoute(APIRoute):
     """An APIRoute whose request is checked by `check_signature` on the raw body before
-    FastAPI parses and validates that body."""
+    FastAPI parses and validates that body; refusals are counted by reason."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         parse_and_handle = super().get_route_handler()
 
         async def signed_then_handled(request: Request) -> Response:
-            try:
-                body = await request.body()  # held to max_body_bytes by app/guard.py
-            except ClientDisconnect as exc:
-                raise ApiError(status.HTTP_400_BAD_REQUEST,
-                               "the client went away while sending the body") from exc
             services = await get_services(request)
-            check_signature(services.settings, request.headers.get(SIGNATURE_HEADER), body)
-            return await parse_and_handle(request)  # FastAPI reads the body kept by Request
+            try:
+                try:
+                    body = await request.body()  # held to max_body_bytes by app/guard.py
+                except ClientDisconnect as exc:
+                    raise ApiError(status.HTTP_400_BAD_REQUEST,
+                                   "the client went away while sending the body") from exc
+                check_signature(services.settings, request.headers.get(SIGNATURE_HEADER), body)
+                return await parse_and_handle(request)  # FastAPI reads the body Request kept
+            except (ApiError, RequestValidationError, BodyTooLarge) as exc:
+                reason = rejection_reason(exc)
+                if reason is not None:
+                    services.metrics.reject_feedback(reason)
+                raise
 
         return signed_then_handled
 
@@ -118,4 +141,5 @@ async def accept(services: Services, events: Sequence[FeedbackRequest]) -> list[
     repeated = sum(duplicates)
     services.counters.feedback_duplicates += repeated
     services.counters.feedback_accepted += len(events) - repeated
+    services.metrics.observe_feedback(new=len(events) - repeated, duplicates=repeated)
     return duplicates

@@ -175,11 +175,22 @@ def bad_header(case: str, body: bytes) -> dict[str, str]:
 def test_bad_signatures_are_401_and_never_produced(stack: RunningStack, http: httpx.Client,
                                                    case: str) -> None:
     e = event()
+    before = rejected(http, "invalid_signature")
     for path, body in (("/v1/feedback", json.dumps(e).encode()),
                        ("/v1/feedback/batch", json.dumps({"events": [e]}).encode())):
         r = http.post(path, content=body, headers=bad_header(case, body))
         assert r.status_code == 401, r.text
     assert produced_ids(stack, {str(e["event_id"])}) == []
+    assert rejected(http, "invalid_signature") == before + 2  # counted by reason
+
+
+def rejected(http: httpx.Client, reason: str) -> float:
+    """`flywheel_feedback_rejected_total{reason}` as /metrics gives it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+               for s in f.samples if s.name == "flywheel_feedback_rejected_total"
+               and s.labels.get("reason") == reason)
 
 
 @pytest.mark.parametrize("path, payload, field", [
@@ -192,9 +203,10 @@ def test_bad_signatures_are_401_and_never_produced(stack: RunningStack, http: ht
 ])
 def test_malformed_is_422_naming_the_field(stack: RunningStack, http: httpx.Client, path: str,
                                            payload: dict, field: str) -> None:
-    before = len(produced(stack))
+    before, refused = len(produced(stack)), rejected(http, "invalid_body")
     r = post(http, path, payload)
     assert r.status_code == 422, r.text
+    assert rejected(http, "invalid_body") == refused + 1
     error = r.json()["error"]
     assert field in (error["param"] or "") or field in error["message"], r.text
     assert len(produced(stack)) == before

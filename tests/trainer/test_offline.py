@@ -32,6 +32,12 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert (run_dir / "reward.png").stat().st_size > 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and "held_out_pass_at_1" in rows[-1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))  # trackers' default
+    events.Reload()
+    assert [e.value for e in events.Scalars("flywheel_bootstrap_reward")] == pytest.approx(
+        [r["reward"] for r in rows])
     details = json.loads((run_dir / "summary.json").read_text())
     assert details["steps"] == 2 and (run_dir / "model" / "config.json").exists()
     held_out = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]

@@ -1,0 +1,103 @@
+"""Live acceptance and mean reward per served model version, from the joined feedback.
+
+`RewardTally` follows the `experiences` topic (the join's output: every feedback event
+joined with the generation it judges, carrying the `model_version` that served it and its
+reward) from the beginning, in a thread, as a reader outside any group. It keeps, per
+version, the totals and one point per `bucket_s` of join time: how many experiences, their
+mean reward, the share with a positive reward (accepted). The console draws these.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kafka import KafkaConsumer, TopicPartition
+
+from ingest.config import KafkaConfig
+from ingest.events import ExperienceReady
+from ingest.log import decode_all
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    experiences: int = 0
+    reward_sum: float = 0.0
+    accepted: int = 0
+
+    def add(self, reward: float) -> None:
+        self.experiences += 1
+        self.reward_sum += reward
+        self.accepted += reward > 0
+
+    def figures(self) -> dict[str, float | int]:
+        n = max(1, self.experiences)
+        return {"experiences": self.experiences, "mean_reward": self.reward_sum / n,
+                "acceptance": self.accepted / n}
+
+
+@dataclass
+class VersionTally:
+    total: Tally = field(default_factory=Tally)
+    buckets: dict[int, Tally] = field(default_factory=lambda: defaultdict(Tally))
+
+
+class RewardTally:
+    """A thread tallying `experiences` by model version; `snapshot()` is safe from any thread."""
+
+    def __init__(self, config: KafkaConfig, *, bucket_s: float = 10.0) -> None:
+        self.config, self.bucket_s = config, bucket_s
+        self._versions: dict[int, VersionTally] = defaultdict(VersionTally)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reward-tally", daemon=True)
+
+    def start(self) -> RewardTally:
+        self._thread.start()
+        return self
+
+    def add(self, events: list[ExperienceReady]) -> None:
+        with self._lock:
+            for e in events:
+                tally = self._versions[e.model_version]
+                tally.total.add(e.reward)
+                tally.buckets[int(e.joined_at.timestamp() // self.bucket_s)].add(e.reward)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Per version, oldest first: totals and `points` [[unix s, mean reward, acceptance,
+        experiences], ...] in time order."""
+        with self._lock:
+            return [{"version": v, **t.total.figures(),
+                     "points": [[b * self.bucket_s, f["mean_reward"], f["acceptance"],
+                                 f["experiences"]]
+                                for b, bucket in sorted(t.buckets.items())
+                                for f in [bucket.figures()]]}
+                    for v, t in sorted(self._versions.items())]
+
+    def _run(self) -> None:
+        consumer = KafkaConsumer(bootstrap_servers=self.config.bootstrap, group_id=None,
+                                 enable_auto_commit=False,
+                                 request_timeout_ms=self.config.request_timeout_ms)
+        try:
+            topic = self.config.topics.experiences
+            parts = [TopicPartition(topic, p)
+                     for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            consumer.assign(parts)
+            consumer.seek_to_beginning(*parts)
+            while not self._stop.is_set():
+                for records in consumer.poll(timeout_ms=500).values():
+                    decoded = decode_all(ExperienceReady, [r.value or b"" for r in records])
+                    self.add([e for e in decoded if isinstance(e, ExperienceReady)])
+        except Exception:  # the console shows what was tallied; the log says why it stopped
+            log.exception("reward tally stopped")
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
