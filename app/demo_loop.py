@@ -44,9 +44,9 @@ class DemoPlan:
     # a short bootstrap: the model a product would first ship, with room to learn
     midtrain_steps: int = 400
     grpo_s: float = 60.0  # the bootstrap's GRPO budget
-    releases: int = 4
+    releases: int = 5
     release_every_s: float = 150.0
-    min_sessions: int = 300  # served by the newest release before the demo ends
+    min_sessions: int = 600  # served by the newest release before the demo ends (±2 points)
     max_loop_s: float = 900.0  # the live loop stops here whatever it reached
     concurrency: int = 16  # simulated developers at once
     temperature: float = 0.7  # the developers' agent samples at an editor's temperature

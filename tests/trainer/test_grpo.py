@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trainer.grpo import (
+    KL_BOUND,
     GRPOLossConfig,
     group_advantages,
     grpo_loss,
@@ -131,6 +132,18 @@ def test_k3_kl_value_and_gradient() -> None:
     kl.sum().backward()
     # d/dlogp (e^(ref - logp) - (ref - logp) - 1) = 1 - e^(ref - logp) = 1 - 0.5
     assert torch.allclose(logp.grad, torch.tensor([[0.5, 0.0]]), atol=1e-6)
+
+
+def test_k3_kl_is_bounded_per_token() -> None:
+    # a token the policy moved 30 nats below the reference adds KL_BOUND and no gradient;
+    # its neighbour keeps its own value and gradient
+    logp = torch.tensor([[-30.0, LOG(0.5)]], requires_grad=True)
+    ref_logp = torch.tensor([[0.0, LOG(0.25)]])
+    kl = kl_k3(logp, ref_logp)
+    assert kl[0, 0].item() == KL_BOUND
+    kl.sum().backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.5]]), atol=1e-6)
 
 
 def test_kl_penalty_is_added_per_token() -> None:
