@@ -2,8 +2,9 @@
 
 `ConsoleFeeds` is held by `Services` and started on first use: a `RewardTally` following
 `experiences` (live acceptance and mean reward per served version), an `OffsetProbe` (the
-join's lag per partition, what the join has produced for the trainer), and the delta size of
-each release, read once from its manifest in the artifact store. `snapshot` puts them
+join's lag per partition, refreshed by a thread of its own so that a `/metrics` scrape never
+waits on the broker; what the join has produced for the trainer), and the delta size of each
+release, read once from its manifest in the artifact store. `snapshot` puts them
 together with the session-log spool and the webhook refusals from the app's metrics.
 """
 
@@ -25,6 +26,7 @@ from ingest.offsets import OffsetProbe, PartitionLag
 from ingest.reward_tally import RewardTally
 
 log = logging.getLogger(__name__)
+LAG_EVERY_S = 5.0  # how often the join's lag is read
 
 
 class ConsoleSnapshot(BaseModel):
@@ -48,6 +50,11 @@ class ConsoleFeeds:
         self._tally: RewardTally | None = None
         self._probe: OffsetProbe | None = None
         self._delta_bytes: dict[int, int | None] = {}
+        self._lag: list[PartitionLag] = []
+        self._lag_read = threading.Event()  # set once the lag was read
+        self._lag_thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+        self._stop = threading.Event()
 
     def tally(self) -> RewardTally:
         with self._lock:
@@ -61,10 +68,31 @@ class ConsoleFeeds:
                 self._probe = OffsetProbe(self.kafka)
             return self._probe
 
-    def join_lag(self) -> list[PartitionLag]:
+    def join_lag(self, *, wait: bool = True) -> list[PartitionLag]:
+        """The join's lag per partition as last read; a thread reads it every `LAG_EVERY_S`
+        (started on first use). `wait`: until the first reading, at most a request timeout
+        (the console's route); a scrape of `/metrics` takes what there is."""
+        with self._starting:  # not self._lock, which the thread holds while it asks
+            if self._lag_thread is None:
+                self._lag_thread = threading.Thread(target=self._follow_lag, name="join-lag",
+                                                    daemon=True)
+                self._lag_thread.start()
+        if wait:
+            self._lag_read.wait(timeout=self.kafka.request_timeout_ms / 1000)
+        return self._lag
+
+    def _follow_lag(self) -> None:
+        from kafka.errors import KafkaError
+
         topics = [self.kafka.topics.sessions, self.kafka.topics.feedback]
-        with self._lock:
-            return self.probe().group_lag(self.settings.join.group_id, topics)
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    self._lag = self.probe().group_lag(self.settings.join.group_id, topics)
+                self._lag_read.set()
+            except (KafkaError, OSError) as exc:  # the broker is away: keep the last reading
+                log.warning("join lag unavailable: %s", exc)
+            self._stop.wait(LAG_EVERY_S)
 
     def experiences_produced(self) -> int:
         with self._lock:
@@ -88,6 +116,9 @@ class ConsoleFeeds:
         return {str(v): self._delta_bytes.get(v) for v, _ in releases}
 
     def close(self) -> None:
+        self._stop.set()
+        if self._lag_thread is not None:
+            self._lag_thread.join(timeout=self.kafka.request_timeout_ms / 1000 + 5)
         with self._lock:
             if self._tally is not None:
                 self._tally.close()

@@ -64,7 +64,7 @@ def build_services(settings: Settings) -> Services:
                         db=db, tokenizer=engine.tokenizer, session_log=session_log,
                         metrics=metrics)
     metrics.bind(engine=engine, session_log=session_log, trainer_db=db,
-                 join_lag=lambda: services.console_feeds().join_lag())
+                 join_lag=lambda: services.console_feeds().join_lag(wait=False))
     return services
 
 

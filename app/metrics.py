@@ -14,7 +14,6 @@ charts them; tests/app/test_metrics_names.py checks both.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,8 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from trainer.trackers import metric_name
-
-log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -51,13 +48,7 @@ class _LiveState(Collector):
             yield from self._join_lag()
 
     def _join_lag(self) -> Iterator[Metric]:
-        from kafka.errors import KafkaError
-
-        try:
-            partitions = self.join_lag()
-        except (KafkaError, OSError) as exc:  # a scrape must answer while the broker is away
-            log.warning("join lag unavailable: %s", exc)
-            return
+        partitions = self.join_lag()  # as last read: a scrape never waits on the broker
         lag = GaugeMetricFamily("flywheel_join_lag_records", "Records of the join's input "
                                 "topics its group has not committed past",
                                 labels=["topic", "partition"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -45,10 +46,15 @@ def test_grafana_queries_only_metrics_the_app_exposes(settings: Settings, tmp_pa
         reply = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 2})
         assert reply.status_code == 200, reply.text
-        text = httpx.get(f"{stack.base_url}/metrics", timeout=30).text
-    families = list(text_string_to_metric_families(text))
-    samples = {s.name for f in families for s in f.samples}
-    missing = dashboard_metrics() - samples
+        deadline = time.monotonic() + 30  # the join's lag is read by a thread of its own
+        while True:
+            text = httpx.get(f"{stack.base_url}/metrics", timeout=30).text
+            families = list(text_string_to_metric_families(text))
+            samples = {s.name for f in families for s in f.samples}
+            missing = dashboard_metrics() - samples
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     assert not missing, f"the dashboard queries metrics /metrics lacks: {sorted(missing)}"
     for family in families:
         assert family.name.startswith("flywheel_"), family.name
