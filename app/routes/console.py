@@ -46,5 +46,8 @@ def console_figures(services: ServicesDep, db: DbDep, _: AdminDep) -> ConsoleSna
     experiences produced, the session-log spool, webhook refusals by reason, delta sizes."""
     rows = db.exec(select(Release.version, Release.manifest_uri)
                    .order_by(col(Release.version).desc()).limit(200)).all()
+    # End the transaction before asking Kafka and the artifact store: on SQLite it holds the
+    # write lock (ingest/sql.py), and the intake and the trainer wait on it meanwhile
+    db.rollback()
     return snapshot(services.console_feeds(), services.metrics, services.engine.version,
                     services.session_log, [(v, uri) for v, uri in rows])
