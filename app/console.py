@@ -11,8 +11,6 @@ together with the session-log spool and the webhook refusals from the app's metr
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 from dataclasses import asdict
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from app.metrics import REJECTION_REASONS, Metrics
+from app.replicas import replica_id
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.offsets import OffsetProbe, PartitionLag
@@ -33,6 +32,7 @@ class ConsoleSnapshot(BaseModel):
     """`GET /admin/console`: what the console shows beside the releases and the trainer."""
 
     replica: dict[str, Any]  # this API process: id, served version and sha256
+    replicas: list[dict[str, Any]]  # every replica heard from lately (app/replicas.py)
     acceptance: list[dict[str, Any]]  # per served version: totals and points over time
     join_lag: list[dict[str, Any]]  # per partition of sessions and feedback
     experiences_produced: int  # what the join wrote to `experiences`; the trainer consumes it
@@ -126,16 +126,14 @@ class ConsoleFeeds:
                 self._probe.close()
 
 
-def replica_id(settings: Settings) -> str:
-    return f"{socket.gethostname()}:{settings.port} (pid {os.getpid()})"
-
-
 def snapshot(feeds: ConsoleFeeds, metrics: Metrics, engine_version: Any,
-             session_log: Any, releases: list[tuple[int, str | None]]) -> ConsoleSnapshot:
+             session_log: Any, releases: list[tuple[int, str | None]],
+             replicas: list[dict[str, Any]]) -> ConsoleSnapshot:
     stats = session_log.stats() if session_log is not None else None
     return ConsoleSnapshot(
-        replica={"id": replica_id(feeds.settings), "version": engine_version.number,
+        replica={"id": replica_id(feeds.settings.port), "version": engine_version.number,
                  "sha256": engine_version.sha256},
+        replicas=replicas,
         acceptance=feeds.tally().snapshot(),
         join_lag=[asdict(p) for p in feeds.join_lag()],
         experiences_produced=feeds.experiences_produced(),

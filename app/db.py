@@ -1,7 +1,8 @@
 """SQL state: SQLite under the data dir by default, PostgreSQL by URL (SQLModel).
 
 Tables here are the API's memory that must survive restarts: feedback receipts (the
-webhook's idempotency record) and the model versions a process has served. The release
+webhook's idempotency record), the model versions a process has served, and which replica
+serves which version now. The release
 history is the release pipeline's table (trainer/release.py), the trainer's control queue
 trainer/online_control.py's.
 """
@@ -34,6 +35,16 @@ class ServedVersion(SQLModel, table=True):
     number: int = Field(primary_key=True)
     sha256: str = Field(max_length=64)
     first_served_at: datetime = Field(default_factory=utcnow)
+
+
+class ReplicaSeen(SQLModel, table=True):
+    """A serving process and the version it serves, as it last said (app/replicas.py)."""
+
+    __tablename__ = "replica"
+    replica_id: str = Field(primary_key=True, max_length=200)
+    version: int
+    sha256: str = Field(max_length=64)
+    seen_at: datetime = Field(default_factory=utcnow)
 
 
 def make_db_engine(url: str) -> Engine:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,9 +24,11 @@ REQUEST_ID_HEADER = b"x-request-id"
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int,
+                 on_oversized: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.limit = max_body_bytes
+        self.on_oversized = on_oversized  # told the path of a body refused by its declared size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,6 +55,8 @@ class RequestGuard:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await refuse(BodyTooLarge(self.limit, declared=int(declared)).error())
+            if self.on_oversized is not None:
+                self.on_oversized(scope["path"])
             return
         received = 0
 

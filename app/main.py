@@ -20,6 +20,7 @@ from app.errors import error_responses, install_error_handlers
 from app.guard import RequestGuard
 from app.heap import settle_heap
 from app.metrics import Metrics
+from app.replicas import ReplicaBeacon, replica_id
 from app.routes import admin, completions, console, feedback, health, models
 from app.routes import metrics as metrics_route
 from app.routes import releases as releases_route
@@ -65,6 +66,8 @@ def build_services(settings: Settings) -> Services:
                         metrics=metrics)
     metrics.bind(engine=engine, session_log=session_log, trainer_db=db,
                  join_lag=lambda: services.console_feeds().join_lag(wait=False))
+    services.beacon = ReplicaBeacon(db, replica_id(settings.port),
+                                    lambda: services.engine.version).start()
     return services
 
 
@@ -80,6 +83,8 @@ def start_release_follower(services: Services) -> None:
 
 
 def close_services(services: Services) -> None:
+    if services.beacon is not None:
+        services.beacon.close()
     if services.replica is not None:
         services.replica.stop()
     if services.session_log is not None:  # before the engine: in-flight choices log on exit
@@ -121,7 +126,13 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                    health, metrics_route, console):
         app.include_router(module.router)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)  # outermost
+
+    def count_oversized(path: str) -> None:  # a webhook refused before any route saw it
+        if path.startswith("/v1/feedback"):
+            app.state.services.metrics.feedback_rejected.labels("request_too_large").inc()
+
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,  # outermost
+                       on_oversized=count_oversized)
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     return app
 

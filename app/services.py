@@ -40,6 +40,7 @@ class Services:
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
     feedback: FeedbackIntake | None = None  # see feedback_intake()
     console: Any | None = None  # app.console.ConsoleFeeds, see console_feeds()
+    beacon: Any | None = None  # app.replicas.ReplicaBeacon: which version this replica serves
 
     def release_tasks(self) -> Any:
         if self.celery is None:

@@ -18,6 +18,7 @@ from sqlmodel import col, select
 from app.console import ConsoleSnapshot, snapshot
 from app.deps import AdminDep, DbDep, ServicesDep
 from app.errors import ApiError, error_responses
+from app.replicas import live_replicas
 from trainer.release import Release
 
 router = APIRouter(tags=["console"])
@@ -46,8 +47,10 @@ def console_figures(services: ServicesDep, db: DbDep, _: AdminDep) -> ConsoleSna
     experiences produced, the session-log spool, webhook refusals by reason, delta sizes."""
     rows = db.exec(select(Release.version, Release.manifest_uri)
                    .order_by(col(Release.version).desc()).limit(200)).all()
+    replicas = [{"id": r.replica_id, "version": r.version, "sha256": r.sha256,
+                 "seen_at": r.seen_at.isoformat()} for r in live_replicas(db)]
     # End the transaction before asking Kafka and the artifact store: on SQLite it holds the
     # write lock (ingest/sql.py), and the intake and the trainer wait on it meanwhile
     db.rollback()
     return snapshot(services.console_feeds(), services.metrics, services.engine.version,
-                    services.session_log, [(v, uri) for v, uri in rows])
+                    services.session_log, [(v, uri) for v, uri in rows], replicas)

@@ -57,7 +57,18 @@ function gate(release) {
   return cell;
 }
 
-function releaseRow(r, served, replica, delta, head) {
+// Every replica heard from lately that serves `version` (app/replicas.py); this one in bold.
+function servedBy(version, replica, replicas) {
+  const cell = el("td", { class: "served-by" });
+  for (const p of replicas.filter((p) => p.version === version)) {
+    if (cell.childNodes.length) cell.append(el("br"));
+    cell.append(el("span", { class: p.id === replica.id ? "serving replica" : "replica",
+      "data-replica": p.id }, p.id));
+  }
+  return cell;
+}
+
+function releaseRow(r, replica, replicas, delta, head) {
   const steps = r.step_range ? `steps ${r.step_range[0]}–${r.step_range[1]}` : "no steps";
   const row = el("tr", { "data-version": r.version, "data-status": r.status },
     el("td", {}, `v${r.version}`), el("td", {}, r.parent == null ? "–" : `v${r.parent}`),
@@ -66,8 +77,7 @@ function releaseRow(r, served, replica, delta, head) {
     el("td", { class: "num" }, bytes(delta[String(r.version)])), gate(r),
     el("td", {}, `${steps}, ${r.generation_ids.length} generations, ` +
       `${r.feedback_event_ids.length} feedback events`),
-    el("td", { class: r.version === served ? "serving" : "" },
-      r.version === served ? replica.id : ""));
+    servedBy(r.version, replica, replicas));
   const actions = el("td");
   if (head && r.version === head.version && r.parent != null) {
     const button = el("button", { class: "rollback", "data-version": r.version }, "Roll back");
@@ -81,14 +91,14 @@ function releaseRow(r, served, replica, delta, head) {
 }
 
 // The served version before the pipeline's first run has recorded it (the base model, v0).
-function baseRow(status, replica) {
+function baseRow(status, replica, replicas) {
   return el("tr", { "data-version": status.model_version, "data-status": "served" },
     el("td", {}, `v${status.model_version}`), el("td", {}, "–"), el("td", {}, "served"),
     el("td", {}, el("code", { title: status.model_sha256 }, status.model_sha256.slice(0, 12))),
     el("td", { class: "num" }, "–"),
     el("td", { class: "gate", "data-decision": "base" }, "base model"),
     el("td", {}, "not in the release history yet"),
-    el("td", { class: "serving" }, replica.id), el("td"));
+    servedBy(status.model_version, replica, replicas), el("td"));
 }
 
 // ---- acceptance chart ----------------------------------------------------------------------
@@ -163,9 +173,11 @@ async function refresh() {
   $("served").textContent = `serving v${served} (${status.model_sha256.slice(0, 12)})`;
   $("served").dataset.version = served;
   const head = releases.find((r) => r.status === "published");
-  const rows = releases.map((r) => releaseRow(r, served, figures.replica, figures.delta_bytes,
-    head));
-  if (!releases.some((r) => r.version === served)) rows.push(baseRow(status, figures.replica));
+  const rows = releases.map((r) => releaseRow(r, figures.replica, figures.replicas,
+    figures.delta_bytes, head));
+  if (!releases.some((r) => r.version === served)) {
+    rows.push(baseRow(status, figures.replica, figures.replicas));
+  }
   fill(document.querySelector("#releases tbody"), rows);
   drawChart(figures.acceptance);
   fill(document.querySelector("#acceptance tbody"), figures.acceptance.map((s) =>

@@ -15,11 +15,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from app.replicas import ReplicaBeacon
 from app.settings import Settings
 from ingest.log import EventProducer
+from ingest.sql import open_database
 from tests.conftest import flywheel_up
 from tests.trainer.test_online import make_experiences
 from tests.trainer.test_release import make_checkpoint
@@ -101,13 +104,26 @@ def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path, 
         assert gate.get_attribute("data-decision") == "passed"
         assert "loss" in gate.text and " vs " in gate.text  # figures against the incumbent
         wait.until(lambda d: find("#served").get_attribute("data-version") == "1")
+        present('#releases tr[data-version="1"] .served-by .serving.replica')  # this replica
         browser.save_screenshot(str(shots / "2-released.png"))
 
         present('button.rollback[data-version="1"]').click()
         present('#releases tr[data-version="1"][data-status="rolled_back"]')
         wait.until(lambda d: find("#served").get_attribute("data-version") == "0")
         assert "rolled back v1" in find("#release-outcome").text
-        browser.save_screenshot(str(shots / "3-rolled-back.png"))
+        # a second replica on the same database, still on v1: the fleet, per version
+        other = ReplicaBeacon(open_database(f"sqlite:///{data / 'flywheel.db'}"),
+                              "other-host:8001 (pid 1)",
+                              lambda: SimpleNamespace(number=1, sha256="ab" * 32)).start()
+        try:
+            present('#releases tr[data-version="1"] .replica[data-replica="other-host:8001 '
+                    '(pid 1)"]')
+            present('#releases tr[data-version="0"] .serving.replica')
+            browser.save_screenshot(str(shots / "3-rolled-back.png"))
+        finally:
+            other.close()
+        wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, '.replica[data-replica='
+                                                 '"other-host:8001 (pid 1)"]'))
 
         # feedback joined for what v0 and v1 served: one chart series per version
         topics = Settings().topics

@@ -240,9 +240,12 @@ def test_the_server_sets_the_time_received_and_the_schema_version(
 
 
 def test_oversized_is_413(stack: RunningStack, http: httpx.Client) -> None:
+    before = {r: rejected(http, r) for r in ("batch_too_large", "request_too_large")}
     too_many = [event() for _ in range(51)]
     r = post(http, "/v1/feedback/batch", {"events": too_many})
     assert r.status_code == 413, r.text
     huge = event(source="x" * 10, padding="y" * 70_000)
-    assert post(http, "/v1/feedback", huge).status_code == 413
+    assert post(http, "/v1/feedback", huge).status_code == 413  # refused by its Content-Length
+    assert {r: rejected(http, r) - n for r, n in before.items()} == {
+        "batch_too_large": 1, "request_too_large": 1}
     assert produced_ids(stack, {str(e["event_id"]) for e in [*too_many, huge]}) == []
