@@ -290,6 +290,25 @@ class EventConsumer:
         self._consumer.close()
 
 
+def from_beginning(config: KafkaConfig, topic: str, **options: Any
+                   ) -> tuple[KafkaConsumer, list[TopicPartition]]:
+    """A consumer outside any group, assigned every partition of `topic` at its beginning,
+    and those partitions; the caller closes it. `options` go to `KafkaConsumer`."""
+    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap, enable_auto_commit=False,
+                             group_id=None, request_timeout_ms=config.request_timeout_ms,
+                             **options)
+    try:
+        consumer.topics()  # full metadata first: partitions_for_topic may answer partially
+        tps = [TopicPartition(topic, p)
+               for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+    except BaseException:
+        consumer.close()
+        raise
+    return consumer, tps
+
+
 def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
              quiet_ms: int = 500) -> list[tuple[bytes | None, bytes]]:
     """(key, value) of every record on `topic` from the beginning, without a group.
@@ -297,14 +316,8 @@ def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
     Reads to the end offsets the broker reports, then on until a poll of `quiet_ms` brings
     nothing: Tansu's reported end can trail the last records of a compressed batch.
     """
-    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap, enable_auto_commit=False,
-                             group_id=None, request_timeout_ms=config.request_timeout_ms)
+    consumer, tps = from_beginning(config, topic)
     try:
-        consumer.topics()  # full metadata first: partitions_for_topic may answer partially
-        tps = [TopicPartition(topic, p)
-               for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
         out: list[tuple[bytes | None, bytes]] = []
         deadline = time.monotonic() + timeout_s
@@ -329,13 +342,8 @@ def scan_keys(kafka: KafkaConfig, topic: str, starts: dict[int, int],
 
     A poll takes every fetched record (Tansu's end offset is the last batch's first offset
     + 1, so a poll that stopped partway through the last batch would look like the end)."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False,
-                             group_id=None, request_timeout_ms=kafka.request_timeout_ms,
-                             max_poll_records=1_000_000)
+    consumer, tps = from_beginning(kafka, topic, max_poll_records=1_000_000)
     try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
-                                                        or ())]
-        consumer.assign(tps)
         ends = consumer.end_offsets(tps)
         for tp in tps:
             consumer.seek(tp, min(starts.get(tp.partition, 0), ends[tp]))

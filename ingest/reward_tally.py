@@ -14,11 +14,9 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kafka import KafkaConsumer, TopicPartition
-
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.log import decode_all
+from ingest.log import decode_all, from_beginning
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +77,12 @@ class RewardTally:
                     for v, t in sorted(self._versions.items())]
 
     def _run(self) -> None:
-        consumer = KafkaConsumer(bootstrap_servers=self.config.bootstrap, group_id=None,
-                                 enable_auto_commit=False,
-                                 request_timeout_ms=self.config.request_timeout_ms)
         try:
-            topic = self.config.topics.experiences
-            parts = [TopicPartition(topic, p)
-                     for p in sorted(consumer.partitions_for_topic(topic) or ())]
-            consumer.assign(parts)
-            consumer.seek_to_beginning(*parts)
+            consumer, _ = from_beginning(self.config, self.config.topics.experiences)
+        except Exception:  # the console shows nothing tallied; the log says why
+            log.exception("reward tally could not start")
+            return
+        try:
             while not self._stop.is_set():
                 for records in consumer.poll(timeout_ms=500).values():
                     decoded = decode_all(ExperienceReady, [r.value or b"" for r in records])

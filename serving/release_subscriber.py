@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer
 
 from ingest.config import KafkaConfig
 from ingest.events import EventDecodeError, ReleasePublished, decode
+from ingest.log import from_beginning
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion
@@ -66,15 +67,8 @@ class ReleaseSubscriber:
 
     # ---- subscriber thread ----------------------------------------------------------------
     def _run(self) -> None:
-        consumer = KafkaConsumer(bootstrap_servers=self.kafka.bootstrap, group_id=None,
-                                 enable_auto_commit=False,
-                                 request_timeout_ms=self.kafka.request_timeout_ms)
+        consumer, parts = from_beginning(self.kafka, self.kafka.topics.releases)
         try:
-            topic = self.kafka.topics.releases
-            parts = [TopicPartition(topic, p)
-                     for p in sorted(consumer.partitions_for_topic(topic) or ())]
-            consumer.assign(parts)
-            consumer.seek_to_beginning(*parts)
             ends = consumer.end_offsets(parts)
             while not self._stop.is_set():
                 for event in self._poll(consumer):
