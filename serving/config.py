@@ -19,3 +19,8 @@ class EngineSettings(BaseModel):
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a
     # conversation's next turn). 0: off; excludes bitwise batch invariance (docs/serving.md)
     prefix_cache_tokens: int = Field(default=0, ge=0)
+    # vllm backend: memory for its KV cache. On a GPU, a fraction of GPU memory; on a CPU host
+    # vLLM would reserve that fraction of *RAM* (0.92 by default), so there the cache is
+    # sized in GiB instead (FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB).
+    vllm_gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0)

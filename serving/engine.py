@@ -13,12 +13,14 @@ picks the one `EngineSettings` names.
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kernels.delta.store import ArtifactStore
 
 FinishReason = Literal["stop", "length", "cancelled"]
 TopLogprobs = list[tuple[int, float]]  # (token_id, logprob) pairs, best first
@@ -67,6 +69,7 @@ class GenerationResult:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # (P + T - 1, moe_layers, top_k) int16, or None when the backend cannot capture routes.
     routed_experts: np.ndarray | None = None
+    routes_absent: str | None = None  # why `routed_experts` is None, when the backend knows
 
 
 @dataclass
@@ -90,8 +93,20 @@ class SwapTiming:
     copy_s: float
 
 
+@dataclass(frozen=True)
+class SwapRecord:
+    version: int
+    sha256: str
+    steps: int
+    prepare_s: float
+    paused_s: float  # admission paused: draining in-flight requests, then the commit
+    copy_s: float  # the in-place commit alone
+    live_sha256: str  # recomputed from the engine's weights after the swap
+    at: float
+
+
 class Engine(Protocol):
-    """What the app needs from a backend (torch on CPU, vLLM on GPU)."""
+    """What the app needs from a backend (`serving.torch_engine`, `serving.vllm_engine`)."""
 
     @property
     def version(self) -> ModelVersion: ...
@@ -106,10 +121,11 @@ class Engine(Protocol):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
-    def swap_weights(self, commit: Callable[[MutableMapping[str, Any]], object],
-                     version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:
-        """Between decode steps, once in-flight requests finish, run `commit` (verified
-        in-place writes) on the live state dict and serve `version`; resolves when done."""
+    def swap_to(self, store: ArtifactStore, version: ModelVersion, *,
+                timeout_s: float = 120.0) -> SwapRecord:
+        """Hot-swap to `version`, read from `store`: verified before any weight is written,
+        applied in place once the requests in flight finish (no reply mixes two versions).
+        Raises `DeltaError`/`EngineError` with the old weights still served."""
         ...
 
     def close(self) -> None: ...

@@ -1,6 +1,8 @@
-"""Hot-swap: plan, prepare and verify a target version off the engine thread (with the codec
-of kernels/delta/state_dict.py), then hand a commit to `Engine.swap_weights`, which runs it in place
-between decode steps once the requests in flight have finished.
+"""Hot-swap of an engine that holds the weights in this process (the torch engine): plan,
+prepare and verify a target version off the engine thread (with the codec of
+kernels/delta/state_dict.py), then hand a commit to the engine's `swap_weights`, which runs it in
+place between decode steps once the requests in flight have finished. (The vLLM engine runs
+the same `prepare_commit` inside its workers: serving/vllm_worker.py.)
 
 One delta step (the usual release, or a rollback: the same delta backwards) is prepared
 against the live weights, read-only, and committed as the changed bit patterns: the pause is
@@ -10,9 +12,10 @@ swapped in whole. Any failed check raises `DeltaError` before a live weight is t
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -20,10 +23,22 @@ from kernels.delta import DeltaVerificationError, commit, prepare
 from kernels.delta.chain import ChainStep, ReleaseInfo, apply_chain, plan_chain
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
-from serving.engine import Engine, ModelVersion
+from serving.engine import ModelVersion, SwapRecord, SwapTiming
 
 Weights = MutableMapping[str, torch.Tensor]
 Commit = Callable[[Weights], object]
+
+
+class InPlaceEngine(Protocol):
+    """An engine whose weights live in this process (serving/torch_engine.py)."""
+
+    @property
+    def version(self) -> ModelVersion: ...
+
+    def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]: ...
+
+    def swap_weights(self, commit: Commit, version: ModelVersion
+                     ) -> concurrent.futures.Future[SwapTiming]: ...
 
 
 def plan(store: ArtifactStore, current: ModelVersion, target: int) -> list[ChainStep]:
@@ -57,25 +72,13 @@ def prepare_commit(store: ArtifactStore, live: Weights, steps: list[ChainStep],
     return copy_in
 
 
-@dataclass(frozen=True)
-class SwapRecord:
-    version: int
-    sha256: str
-    steps: int
-    prepare_s: float
-    paused_s: float  # admission paused: draining in-flight requests, then the commit
-    copy_s: float  # the in-place commit alone
-    live_sha256: str  # recomputed from the engine's weights after the swap
-    at: float
-
-
-def live_weights(engine: Engine, timeout_s: float = 120.0) -> Weights:
+def live_weights(engine: InPlaceEngine, timeout_s: float = 120.0) -> Weights:
     """The engine's state dict (tensors sharing its storage); only swaps write to them."""
-    return engine.call_between_steps(  # type: ignore[attr-defined,no-any-return]
+    return engine.call_between_steps(  # type: ignore[no-any-return]
         lambda model: model.state_dict()).result(timeout=timeout_s)
 
 
-def swap(engine: Engine, store: ArtifactStore, version: ModelVersion, *,
+def swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVersion, *,
          timeout_s: float = 120.0) -> SwapRecord:
     started = time.perf_counter()
     live = live_weights(engine, timeout_s)

@@ -3,8 +3,8 @@
 Each replica reads every release: it assigns itself all partitions and reads from the start
 (no consumer group, so no group join and no replica steals another's records), building the
 release tree. After each poll the newest announcement (by `published_at`) is the target; the
-replica plans and prepares its weights on this thread while the engine keeps serving, then
-`Engine.swap_weights` copies them in between decode steps. A release that fails verification
+replica hands it to `Engine.swap_to`, which prepares and verifies it while the engine keeps
+serving, then writes it in place between decode steps. A release that fails verification
 is refused, logged and recorded, and the replica keeps serving what it had.
 
     subscriber = ReleaseSubscriber(engine, kafka, store)
@@ -27,8 +27,7 @@ from ingest.events import EventDecodeError, ReleasePublished, decode
 from ingest.log import from_beginning
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
-from serving.engine import Engine, EngineError, ModelVersion
-from serving.hot_swap import SwapRecord, swap
+from serving.engine import Engine, EngineError, ModelVersion, SwapRecord
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class ReleaseSubscriber:
                                                self.engine.version.sha256):
             return
         try:
-            record = swap(self.engine, self.store, ModelVersion(target.version, target.sha256))
+            record = self.engine.swap_to(self.store, ModelVersion(target.version, target.sha256))
         except (DeltaError, ArtifactNotFoundError, EngineError, OSError) as exc:
             log.error("refused release v%d (%s); still serving v%d: %s", target.version,
                       target.kind, self.engine.version.number, exc)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
 from serving.batching import PaddedKVBatch, joined_row_kv, prefill_inputs
 from serving.engine import (
@@ -42,9 +43,11 @@ from serving.engine import (
     GenerationRequest,
     GenerationResult,
     ModelVersion,
+    SwapRecord,
     SwapTiming,
     collect,
 )
+from serving.hot_swap import swap
 from serving.prefix_cache import PrefixCache
 from serving.sequence import EngineSequence
 
@@ -182,6 +185,11 @@ class TorchEngine:
         future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
         self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
         return future
+
+    def swap_to(self, store: ArtifactStore, version: ModelVersion, *,
+                timeout_s: float = 120.0) -> SwapRecord:
+        """Prepare and verify `version` off the engine thread, then `swap_weights` it in."""
+        return swap(self, store, version, timeout_s=timeout_s)
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

