@@ -31,19 +31,24 @@ the device under "device").
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from kernels.batch_invariant import disable_batch_invariant, enable_batch_invariant
-from kernels.bi_ops import token_logprobs
-from kernels.moe_replay import capture_routes, replay_routes, stack_routes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.batch_invariant import disable_batch_invariant, enable_batch_invariant  # noqa: E402
+from kernels.bi_ops import token_logprobs  # noqa: E402
+from kernels.moe_replay import capture_routes, replay_routes, stack_routes  # noqa: E402
 
 WAVES = (1, 32, 4, 11, 2, 17)  # serving batch sizes, one static batch each
 
@@ -237,7 +242,10 @@ def run(name: str, config: Qwen3MoeConfig, rounds: int, device: torch.device,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="off/on rounds per model (median)")
-    parser.add_argument("--only", choices=("default", "larger"), help="run one model only")
+    parser.add_argument("--only", choices=("default", "larger", "engines"),
+                        help="run one part only")
+    parser.add_argument("--no-engines", dest="engines", action="store_false",
+                        help="skip vLLM vs the torch engine (bench/numerics_engines.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model runs (cuda: the Triton kernels)")
     args = parser.parse_args()
@@ -247,10 +255,15 @@ def main() -> None:
     else:
         print(f"device: {torch.cuda.get_device_name(device)}")
     result: dict[str, object] = {}
-    if args.only != "larger":
+    if args.only in (None, "default"):
         result = run("default", tiny_config(), args.rounds, device)
-    if args.only != "default":
+    if args.only in (None, "larger"):
         result["larger"] = run("larger", larger_config(), args.rounds, device)
+    if args.engines and args.only in (None, "engines") and device.type == "cpu" \
+            and importlib.util.find_spec("vllm") is not None:
+        from bench.numerics_engines import run_engines
+
+        result["engines"] = run_engines()
     print(json.dumps({"bench": "numerics", **result, "device": args.device}))
 
 
