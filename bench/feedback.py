@@ -156,17 +156,9 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
 
 
 def wait_healthy(port: int, timeout_s: float = 180) -> None:
-    import httpx
+    from bench.servers import wait_answering
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("API did not start")
+    wait_answering(f"http://127.0.0.1:{port}", "/healthz", timeout_s=timeout_s)
 
 
 @dataclass

@@ -33,18 +33,21 @@ def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
                 proc.kill()
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+def wait_answering(url: str, path: str = "/v1/models", *, timeout_s: float = 300,
+                   proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Poll `url + path` until it answers 200; fail early when `proc` (the server) exits."""
+    where = f"; see {log}" if log is not None else ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited; see {log}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited{where}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s; see {log}")
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s{where}")
 
 
 @contextmanager
@@ -59,7 +62,7 @@ def flywheel_up(data_dir: Path, model_dir: Path, **env: str) -> Iterator[str]:
             str(data_dir)]
     with _process(argv, environ, log) as proc:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc, log)
+        wait_answering(url, proc=proc, log=log)
         yield url
 
 
@@ -77,7 +80,7 @@ def vllm_server(model_dir: Path, log_dir: Path, *, max_num_seqs: int = 32,
     log = log_dir / "vllm-server.log"
     with _process(argv, dict(os.environ), log) as proc:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc, log)
+        wait_answering(url, proc=proc, log=log)
         yield url
 
 

@@ -224,10 +224,8 @@ class VllmEngine:
         labels = {span.version for span in spans or ()}
         if len(labels) > 1:  # swaps wait for requests in flight: this must not happen
             log.error("one reply sampled by several weight versions: %s", sorted(labels))
-        if not labels:
-            return self._version
-        return self._labels.get(max(labels, key=lambda lb: self._labels.get(lb, self._version)
-                                    .number), self._version)
+        known = [self._labels[label] for label in labels if label in self._labels]
+        return max(known, key=lambda v: v.number) if known else self._version
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas from vLLM; closing the iterator aborts the request in vLLM."""

@@ -70,7 +70,7 @@ class FlywheelWorkerExtension:
 
     _fw_mirror: Weights | None = None
     _fw_version: int = 0
-    _fw_pending: tuple[int, str, Commit, list[str]] | None = None
+    _fw_pending: tuple[int, Commit, list[str]] | None = None  # target, commit, names
 
     def flywheel_init(self, model_dir: str, version: int) -> str:
         """Build the mirror from the checkpoint vLLM loaded; returns its sha256."""
@@ -84,20 +84,18 @@ class FlywheelWorkerExtension:
         """Verify the way from the mirror's version to `target` without writing anything."""
         if self._fw_mirror is None:
             raise RuntimeError("flywheel_init was not called in this worker")
-        started = time.perf_counter()
         store = build_artifact_store(artifact_store_adapter.validate_python(store_config))
         steps = plan_chain(self._fw_version, target, store.releases())
         commit = prepare_commit(store, self._fw_mirror, steps, sha256)
         names = changed_names(store, steps, self._fw_mirror)
-        self._fw_pending = (target, sha256, commit, names)
-        return {"steps": len(steps), "tensors": len(names),
-                "prepare_s": time.perf_counter() - started}
+        self._fw_pending = (target, commit, names)
+        return {"steps": len(steps)}
 
     def flywheel_commit(self) -> dict[str, Any]:
         """Commit the prepared release into the mirror and load what changed into vLLM."""
         if self._fw_pending is None or self._fw_mirror is None:
             raise RuntimeError("flywheel_commit without a prepared release")
-        target, sha256, commit, names = self._fw_pending
+        target, commit, names = self._fw_pending
         self._fw_pending = None
         started = time.perf_counter()
         commit(self._fw_mirror)
@@ -110,8 +108,7 @@ class FlywheelWorkerExtension:
             self._repack_cpu_experts()
         copy_s = time.perf_counter() - started
         self._fw_version = target
-        return {"version": target, "sha256": state_dict_sha256(self._fw_mirror),
-                "expected_sha256": sha256, "tensors": len(names), "copy_s": copy_s}
+        return {"sha256": state_dict_sha256(self._fw_mirror), "copy_s": copy_s}
 
     def _refresh_tied_head(self) -> None:
         """vLLM re-processes each reloaded layer (on CPU: re-packs its GEMM weights) but not an

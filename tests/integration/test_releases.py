@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from app.settings import Settings
 from app.stack import running_stack
@@ -73,6 +74,29 @@ def wait_for(predicate, what: str, timeout_s: float = 60.0):  # type: ignore[no-
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def replica_status(http: httpx.Client) -> dict:
+    return http.get("/admin/status").json()["replica"]
+
+
+def swapped_to(http: httpx.Client, version: int, timeout_s: float = 60.0) -> dict:
+    """The replica's status once its last swap is to `version`."""
+    return wait_for(lambda: (s := replica_status(http))["last_swap"] is not None
+                    and s["last_swap"]["version"] == version and s, f"swap to v{version}",
+                    timeout_s)
+
+
+def release_candidate(http: httpx.Client, model_dir: Path, ckpt: Path, *, seed: int,
+                      reason: str, scale: float = 1e-3,
+                      base: dict[str, torch.Tensor] | None = None
+                      ) -> tuple[int, dict[str, torch.Tensor]]:
+    """A trainer checkpoint (`base` plus seeded noise) at `ckpt`, released through the admin
+    API: (the version it will be, its weights)."""
+    weights = make_checkpoint(model_dir, ckpt, scale=scale, seed=seed, base=base)
+    r = http.post("/admin/releases", json={"candidate": str(ckpt), "reason": reason})
+    assert r.status_code == 202, r.text
+    return r.json()["version"], weights
+
+
 def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: Path,
                                                  model_dir: Path) -> None:
     settings = settings.model_copy(update={"release": settings.release.model_copy(update={
@@ -81,14 +105,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
     admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url,
                                                         timeout=60, headers=admin) as http:
-        def replica() -> dict:
-            return http.get("/admin/status").json()["replica"]
-
-        def swapped_to(version: int) -> dict:
-            return wait_for(lambda: (s := replica())["last_swap"] is not None
-                            and s["last_swap"]["version"] == version and s, f"swap to v{version}")
-
-        base = replica()
+        base = replica_status(http)
         published = {ModelVersion(base["version"], base["sha256"]).fingerprint}
         load = Load(stack.base_url)
         load.thread.start()
@@ -96,13 +113,10 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
         shas = {}
         for i in range(5):  # built by the Celery worker the app runs in the embedded profile
             ckpt = settings.data_dir / f"ckpt{i}.safetensors"  # releases come from under it
-            weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
-            r = http.post("/admin/releases", json={"candidate": str(ckpt),
-                                                   "reason": f"test {i}"})
-            assert r.status_code == 202, r.text
-            version = r.json()["version"]
+            version, weights = release_candidate(http, model_dir, ckpt, seed=i,
+                                                 reason=f"test {i}", base=weights)
             shas[version] = state_dict_sha256(weights)
-            status = swapped_to(version)
+            status = swapped_to(http, version)
             assert status["last_swap"]["live_sha256"] == shas[version]
             published.add(ModelVersion(version, shas[version]).fingerprint)
             row = http.get(f"/admin/releases/{version}").json()
@@ -113,7 +127,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
         r = http.post(f"/admin/releases/{version}/rollback", json={"reason": "test"})
         assert r.status_code == 200, r.text
         back = r.json()["version"]
-        status = swapped_to(back)
+        status = swapped_to(http, back)
         assert status["last_swap"]["live_sha256"] == shas[back]
         assert http.get(f"/admin/releases/{version}").json()["status"] == "rolled_back"
         assert http.post(f"/admin/releases/{version}/rollback").status_code == 409
@@ -136,12 +150,12 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
             version=900, parent=back, kind="delta", manifest_uri=uri,
             sha256=state_dict_sha256(bad))).get(timeout=30)
         producer.close()
-        status = wait_for(lambda: (s := replica())["refused"] >= 1 and s, "refusal")
+        status = wait_for(lambda: (s := replica_status(http))["refused"] >= 1 and s, "refusal")
         assert "sha256" in status["last_refusal"]["error"], status["last_refusal"]
         time.sleep(2)  # requests keep flowing on the old version
         load.stop.set()
         load.thread.join(timeout=120)
-        assert replica()["version"] == back
+        assert replica_status(http)["version"] == back
 
     assert load.failures == []
     assert len(load.fingerprints) > 50

@@ -30,8 +30,13 @@ from serving.vllm_engine import CPU_NO_ROUTES, on_gpu
 from tests.app.test_completions import chat, check_disconnect_cancels
 from tests.app.test_openai_client import check_openai_client, wait_for_sessions
 from tests.conftest import flywheel_up
-from tests.integration.test_releases import Load, wait_for
-from tests.trainer.test_release import make_checkpoint
+from tests.integration.test_releases import (
+    Load,
+    release_candidate,
+    replica_status,
+    swapped_to,
+    wait_for,
+)
 from trainer.release_weights import load_model
 
 pytestmark = pytest.mark.integration
@@ -93,15 +98,7 @@ def test_disconnect_cancels_and_logs_the_partial_generation(vllm_up: Up) -> None
 def test_three_releases_and_a_rollback_hot_swapped_under_load(vllm_up: Up,
                                                               model_dir: Path) -> None:
     with httpx.Client(base_url=vllm_up.url, timeout=60, headers=vllm_up.admin) as http:
-        def replica() -> dict:
-            return http.get("/admin/status").json()["replica"]
-
-        def swapped_to(version: int) -> dict:
-            return wait_for(lambda: (s := replica())["last_swap"] is not None
-                            and s["last_swap"]["version"] == version and s,
-                            f"swap to v{version}", timeout_s=120)
-
-        base = replica()
+        base = replica_status(http)
         shas = {base["version"]: base["sha256"]}
         assert base["sha256"] == state_dict_sha256(load_model(model_dir).state_dict())
         load = Load(vllm_up.url)
@@ -109,19 +106,17 @@ def test_three_releases_and_a_rollback_hot_swapped_under_load(vllm_up: Up,
         try:
             weights = load_model(model_dir).state_dict()
             for i in range(3):
-                ckpt = vllm_up.data_dir / f"ckpt{i}.safetensors"
-                weights = make_checkpoint(model_dir, ckpt, scale=1e-3, seed=i, base=weights)
-                r = http.post("/admin/releases", json={"candidate": str(ckpt),
-                                                       "reason": f"vllm test {i}"})
-                assert r.status_code == 202, r.text
-                version = r.json()["version"]
+                version, weights = release_candidate(
+                    http, model_dir, vllm_up.data_dir / f"ckpt{i}.safetensors", seed=i,
+                    reason=f"vllm test {i}", base=weights)
                 shas[version] = state_dict_sha256(weights)
-                status = swapped_to(version)  # the sha256 the workers computed of their weights
+                # live_sha256: what the workers computed of their weights
+                status = swapped_to(http, version, timeout_s=120)
                 assert status["last_swap"]["live_sha256"] == shas[version]
             r = http.post(f"/admin/releases/{version}/rollback", json={"reason": "test"})
             assert r.status_code == 200, r.text
             back = r.json()["version"]
-            status = swapped_to(back)
+            status = swapped_to(http, back, timeout_s=120)
             assert status["last_swap"]["live_sha256"] == shas[back]
             served_after = len(load.fingerprints)
             wait_for(lambda: len(load.fingerprints) > served_after + 16, "traffic after")
@@ -140,14 +135,10 @@ def test_after_a_swap_vllm_samples_with_the_release_weights(vllm_up: Up,
     """The workers' hash covers their copy in the trainer's layout; this checks what vLLM
     computes: a sample's logprobs, recomputed by the trainer's model at the release weights."""
     with httpx.Client(base_url=vllm_up.url, timeout=60, headers=vllm_up.admin) as http:
-        current = http.get("/admin/status").json()["replica"]["version"]
-        ckpt = vllm_up.data_dir / "ckpt-logprobs.safetensors"
-        weights = make_checkpoint(model_dir, ckpt, scale=1e-2, seed=42)
-        r = http.post("/admin/releases", json={"candidate": str(ckpt), "reason": "logprobs"})
-        assert r.status_code == 202, r.text
-        version = r.json()["version"]
-        wait_for(lambda: http.get("/admin/status").json()["replica"]["version"] == version,
-                 f"swap from v{current} to v{version}", timeout_s=120)
+        version, weights = release_candidate(
+            http, model_dir, vllm_up.data_dir / "ckpt-logprobs.safetensors", seed=42,
+            reason="logprobs", scale=1e-2)
+        swapped_to(http, version, timeout_s=120)
         gen = http.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 12,
                                                   "temperature": 1.0, "seed": 3}).json()["id"]
     event = wait_for_sessions(vllm_up.kafka, {gen})[gen]
