@@ -5,7 +5,8 @@
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--nproc N]           experiences -> policy updates -> releases
-    flywheel bootstrap [--nproc N]              mid-training + GRPO on verifiable tasks, JSON
+    flywheel bootstrap [--nproc N] [--kafka K]  mid-training + GRPO on verifiable tasks, JSON
+    flywheel rollout-worker --kafka K --store U  one more rollout worker for a bootstrap's fleet
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -154,8 +155,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:
         init_model(settings.model, model_dir)
+    bootstrap = args.kafka or settings.kafka_bootstrap  # None: an embedded broker for the run
+    kafka = settings.kafka_config(bootstrap).model_dump_json() if bootstrap else None
     job = (cfg.model_dump_json(), str(model_dir), str(run_dir), not args.no_progress,
-           settings.batch_invariant, settings.trackers.model_dump_json())
+           settings.batch_invariant, settings.trackers.model_dump_json(), kafka)
     if args.nproc is None:  # one process, or one rank of a world torchrun started
         return bootstrap_rank(*job)
     from trainer.distributed import launch
@@ -165,11 +168,13 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
-                   batch_invariant: bool, trackers_json: str | None = None) -> int:
+                   batch_invariant: bool, trackers_json: str | None = None,
+                   kafka_json: str | None = None) -> int:
     """One rank of `flywheel bootstrap` (the whole of it in the one-process world): the
     leader runs the bootstrap and prints its JSON line, the others follow its training."""
     import json
 
+    from ingest.config import KafkaConfig
     from trainer.bootstrap_config import BootstrapSettings
     from trainer.distributed import join_world, leave_world
     from trainer.offline import run_bootstrap
@@ -181,12 +186,43 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
     try:
         summary = run_bootstrap(cfg, Path(model_dir), Path(run_dir), progress=progress,
                                 batch_invariant=batch_invariant, world=world,
-                                trackers=trackers)
+                                trackers=trackers, kafka=KafkaConfig.model_validate_json(
+                                    kafka_json) if kafka_json else None)
     finally:
         leave_world(world)
     if world.leader:
         print(f"run dir: {run_dir}", file=sys.stderr)
         print(json.dumps(summary), flush=True)
+    return 0
+
+
+def cmd_rollout_worker(args: argparse.Namespace) -> int:
+    from simulate.fleet import WorkerLaunch, WorkerOptions, run_worker
+
+    settings = _settings(args)
+    bootstrap = args.kafka or settings.kafka_bootstrap
+    if not bootstrap:
+        print("flywheel rollout-worker: give the bootstrap's broker (--kafka or "
+              "FLYWHEEL_KAFKA_BOOTSTRAP)", file=sys.stderr)
+        return 2
+    cfg = settings.bootstrap
+    store = args.store or cfg.policy_store_url
+    if not store:
+        print("flywheel rollout-worker: give the bootstrap's policy store (--store or "
+              "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)", file=sys.stderr)
+        return 2
+    import os
+    import socket
+
+    options = WorkerOptions(
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        groups_in_flight=cfg.groups_in_flight, torch_threads=cfg.torch_threads,
+        prefix_cache_tokens=cfg.prefix_cache_tokens, batch_invariant=settings.batch_invariant,
+        seed=cfg.seed)
+    logging.getLogger("simulate").setLevel(logging.INFO)
+    logging.getLogger("serving").setLevel(logging.INFO)
+    run_worker(WorkerLaunch(kafka=settings.kafka_config(bootstrap), store_url=store,
+                            options=options), stop_on_signals())
     return 0
 
 
@@ -226,7 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--nproc", type=int, help="shard the learner over N local ranks (FSDP2); "
                    "under torchrun, leave it out")
+    p.add_argument("--kafka", metavar="SERVERS", help="the fleet's broker (default: "
+                   "FLYWHEEL_KAFKA_BOOTSTRAP, else an embedded one for the run)")
     p.set_defaults(func=cmd_bootstrap)
+    p = with_common(sub.add_parser("rollout-worker", help="make rollout groups for a bootstrap "
+                                   "(jobs from Kafka, policy versions from the store)"))
+    p.add_argument("--kafka", metavar="SERVERS",
+                   help="the bootstrap's broker (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    p.add_argument("--store", metavar="URL", help="the bootstrap's policy store (default: "
+                   "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)")
+    p.add_argument("--worker-id", help="default: <hostname>-<pid>")
+    p.set_defaults(func=cmd_rollout_worker)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4, help="with --smoke")
     p.add_argument("--smoke", action="store_true",

@@ -28,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--midtrain-steps", type=int, help="default: bootstrap.midtrain_steps")
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--max-staleness", type=int, help="default: bootstrap.max_staleness")
-    parser.add_argument("--rollout-isolation", choices=["process", "thread"],
-                        help="default: bootstrap.rollout_isolation")
     parser.add_argument("--clip-anchor", choices=["trainer", "behavior"],
                         help="default: bootstrap.clip_anchor")
     parser.add_argument("--eval-tasks", type=int, default=32)
@@ -41,14 +39,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import bench_start
     from simulate.rollouts import SandboxCache, pass_rate
+    from trainer.local_engine import make_engine
     from trainer.offline import evaluate, mean_reward, run_grpo
-    from trainer.rollout_workers import make_engine
 
     cfg = settings.bootstrap.model_copy(update={
         "time_budget_s": args.seconds,
         "max_staleness": settings.bootstrap.max_staleness if args.max_staleness is None
         else args.max_staleness,
-        "rollout_isolation": args.rollout_isolation or settings.bootstrap.rollout_isolation,
         "clip_anchor": args.clip_anchor or settings.bootstrap.clip_anchor})
     start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)
     eval_tasks = random.Random(cfg.seed).sample(start.train, min(args.eval_tasks,
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
         print(f"{mode:5s}: steps {run.steps:3d}  samples/s {run.samples_per_s:6.2f}  "
-              f"trainer idle {run.trainer_idle:5.1%}  rollout idle {run.rollout_idle:5.1%}  "
+              f"trainer idle {run.trainer_idle:5.1%}  "
               f"reward reached {reached[mode]:.3f}  last-5-steps rollout reward "
               f"{run.final_reward():.3f}  held-out pass@1 {held_out[mode]:.3f}", flush=True)
     sync, pipelined = results["sync"], results["async"]
@@ -78,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
                       "async_samples_per_s": round(pipelined.samples_per_s, 3),
                       "ratio": round(ratio, 3), "trainer_idle_sync": round(sync.trainer_idle, 3),
                       "trainer_idle_async": round(pipelined.trainer_idle, 3),
-                      "rollout_idle_sync": round(sync.rollout_idle, 3),
-                      "rollout_idle_async": round(pipelined.rollout_idle, 3),
                       "reward_sync": round(reached["sync"], 3),
                       "reward_async": round(reached["async"], 3),
                       "last_steps_reward_sync": round(sync.final_reward(), 3),
@@ -87,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
                       "held_out_pass_at_1_sync": round(held_out["sync"], 3),
                       "held_out_pass_at_1_async": round(held_out["async"], 3),
                       "steps_sync": sync.steps, "steps_async": pipelined.steps,
-                      "rollout_isolation": cfg.rollout_isolation,
                       "max_staleness": cfg.max_staleness, "clip_anchor": cfg.clip_anchor}))
     return 0
 

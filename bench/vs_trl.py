@@ -204,8 +204,8 @@ def final_policy(policy: Any, cfg: BootstrapSettings, tasks: list[Task],
                  held_out: list[Task]) -> tuple[float, float]:
     """(expected multi-turn episode reward on `tasks`, greedy held-out pass@1) of a policy."""
     from simulate.rollouts import SandboxCache, pass_rate
+    from trainer.local_engine import make_engine
     from trainer.offline import evaluate, mean_reward
-    from trainer.rollout_workers import make_engine
 
     cache = SandboxCache()
     reward = mean_reward(policy, cfg, tasks, samples=REWARD_SAMPLES, cache=cache)

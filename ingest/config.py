@@ -17,13 +17,18 @@ class TopicSettings(BaseModel):
     experiences: str = "experiences"
     releases: str = "releases"
     dlq: str = "dlq"
+    # the bootstrap's fleet: jobs to rollout workers, their groups back, policy versions out
+    rollout_jobs: str = "rollout-jobs"
+    rollouts: str = "rollouts"
+    policy: str = "policy"
     # 6 divides evenly among 1, 2, 3 or 6 consumers: with 3, a second join member got one
     # partition to the first's two, and two members ran 1.2-1.5x one
     partitions: int = Field(default=6, ge=1, le=1024)
     replication_factor: int = Field(default=1, ge=1, le=7)
 
     def names(self) -> list[str]:
-        return [self.sessions, self.feedback, self.experiences, self.releases, self.dlq]
+        return [self.sessions, self.feedback, self.experiences, self.releases, self.dlq,
+                self.rollout_jobs, self.rollouts, self.policy]
 
 
 class KafkaClientSettings(BaseModel):

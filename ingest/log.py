@@ -221,12 +221,13 @@ class EventConsumer:
     `poll()` returns decoded records and sends undecodable ones to the DLQ (waiting for the
     DLQ ack before they count as handled); `commit()` commits what `poll()` returned.
     `on_assigned` / `on_revoked` hooks run inside `poll()` when the group rebalances.
+    `options` go to `KafkaConsumer` (say, `fetch_max_wait_ms` for a latency-bound consumer).
     """
 
     def __init__(self, config: KafkaConfig, *, group_id: str,
                  types: Mapping[str, type[BaseModel]], dlq: EventProducer | None,
                  name: str | None = None, auto_offset_reset: str = "earliest",
-                 max_poll_records: int = 500) -> None:
+                 max_poll_records: int = 500, **options: Any) -> None:
         self.config = config
         self.types = dict(types)
         self.name = name or group_id
@@ -242,7 +243,7 @@ class EventConsumer:
             max_poll_records=max_poll_records,
             # range: partition p of every topic goes to the same member, which keeps
             # co-partitioned topics (sessions, feedback) together
-            partition_assignment_strategy=(RangePartitionAssignor,))
+            partition_assignment_strategy=(RangePartitionAssignor,), **options)
         self._consumer.subscribe(list(self.types), listener=_Hooks(self))
         self.dead_letters = 0
 

@@ -7,6 +7,10 @@ replica hands it to `Engine.swap_to`, which prepares and verifies it while the e
 serving, then writes it in place between decode steps. A release that fails verification
 is refused, logged and recorded, and the replica keeps serving what it had.
 
+A rollout worker follows the bootstrap's policy versions with the same class on the `policy`
+topic, with `auto_swap=False`: it calls `catch_up()` between batches of groups, so each batch
+is made by one version.
+
     subscriber = ReleaseSubscriber(engine, kafka, store)
     subscriber.start(); ...; subscriber.status(); subscriber.stop()
 """
@@ -34,11 +38,15 @@ log = logging.getLogger(__name__)
 
 class ReleaseSubscriber:
     def __init__(self, engine: Engine, kafka: KafkaConfig, store: ArtifactStore, *,
-                 poll_timeout_ms: int = 200) -> None:
+                 poll_timeout_ms: int = 200, topic: str | None = None,
+                 auto_swap: bool = True) -> None:
         self.engine = engine
         self.kafka = kafka
         self.store = store
         self.poll_timeout_ms = poll_timeout_ms
+        self.topic = topic or kafka.topics.releases
+        self.auto_swap = auto_swap
+        self._swap_lock = threading.Lock()
         self._newest: ReleasePublished | None = None
         self._handled: tuple[int, str] | None = None  # (version, published_at) last acted on
         self.swaps: list[SwapRecord] = []
@@ -56,6 +64,21 @@ class ReleaseSubscriber:
         self._stop.set()
         self._thread.join(timeout=30)
 
+    @property
+    def newest_version(self) -> int | None:
+        """The version of the newest announcement read so far (None: none yet)."""
+        newest = self._newest
+        return None if newest is None else newest.version
+
+    def catch_up(self, *, retry: bool = False) -> SwapRecord | None:
+        """Swap to the newest announcement now, if not done yet (with `auto_swap=False`, the
+        owner's call; returns the swap, or None when there was nothing to do or it failed).
+        `retry`: try again an announcement whose swap failed."""
+        if retry:
+            with self._swap_lock:
+                self._handled = None
+        return self._follow()
+
     def status(self) -> dict[str, Any]:
         last = self.swaps[-1] if self.swaps else None
         return {"version": self.engine.version.number, "sha256": self.engine.version.sha256,
@@ -66,7 +89,7 @@ class ReleaseSubscriber:
 
     # ---- subscriber thread ----------------------------------------------------------------
     def _run(self) -> None:
-        consumer, parts = from_beginning(self.kafka, self.kafka.topics.releases)
+        consumer, parts = from_beginning(self.kafka, self.topic, fetch_max_wait_ms=100)
         try:
             ends = consumer.end_offsets(parts)
             while not self._stop.is_set():
@@ -76,7 +99,8 @@ class ReleaseSubscriber:
                 if not self.ready.is_set() and all(consumer.position(p) >= ends[p]
                                                    for p in parts):
                     self.ready.set()
-                self._follow()
+                if self.auto_swap:
+                    self._follow()
         finally:
             consumer.close()
 
@@ -86,17 +110,21 @@ class ReleaseSubscriber:
                 try:
                     yield decode(ReleasePublished, rec.value or b"")
                 except EventDecodeError as exc:
-                    log.error("releases@%d:%d undecodable, skipped: %s", rec.partition,
-                              rec.offset, exc)
+                    log.error("%s@%d:%d undecodable, skipped: %s", self.topic,
+                              rec.partition, rec.offset, exc)
 
-    def _follow(self) -> None:
+    def _follow(self) -> SwapRecord | None:
+        with self._swap_lock:
+            return self._swap_to_newest()
+
+    def _swap_to_newest(self) -> SwapRecord | None:
         target = self._newest
         if target is None or self._handled == (target.version, str(target.published_at)):
-            return
+            return None
         self._handled = (target.version, str(target.published_at))
         if (target.version, target.sha256) == (self.engine.version.number,
                                                self.engine.version.sha256):
-            return
+            return None
         try:
             record = self.engine.swap_to(self.store, ModelVersion(target.version, target.sha256))
         except (DeltaError, ArtifactNotFoundError, EngineError, OSError) as exc:
@@ -104,13 +132,14 @@ class ReleaseSubscriber:
                       target.kind, self.engine.version.number, exc)
             self.refused.append({"version": target.version, "kind": target.kind,
                                  "error": str(exc), "at": time.time()})
-            return
+            return None
         self.swaps.append(record)
         if record.live_sha256 != record.sha256:
             log.error("v%d: live weights hash to %s after the swap, expected %s",
                       record.version, record.live_sha256[:12], record.sha256[:12])
-        log.info("now serving v%d (%d steps, prepared in %.3fs, paused %.1f ms)",
+        log.info("now on v%d (%d steps, prepared in %.3fs, paused %.1f ms)",
                  record.version, record.steps, record.prepare_s, record.paused_s * 1000)
+        return record
 
 
 def follow_releases(engine: Engine, kafka: KafkaConfig, store_url: str, *,

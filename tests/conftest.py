@@ -88,7 +88,8 @@ def kafka(broker: EmbeddedBroker) -> KafkaConfig:
     settings = Settings()
     topics = settings.topics.model_copy(update={
         name: f"{getattr(settings.topics, name)}-{suffix}"
-        for name in ("sessions", "feedback", "experiences", "releases", "dlq")})
+        for name in ("sessions", "feedback", "experiences", "releases", "dlq", "rollout_jobs",
+                     "rollouts", "policy")})
     config = Settings(topics=topics).kafka_config(broker.bootstrap)
     ensure_topics(config)
     return config
@@ -100,6 +101,37 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.init_model import init_model
 
     return init_model(Settings().model, tmp_path_factory.mktemp("model") / "base")
+
+
+SKILL_TASKS = [
+    {"task_id": f"gate/{name}", "prompt": f'def {name}(x):\n    """Return x {op}."""\n',
+     "tests": f"def test_0():\n    assert {name}(4) == {result}\n", "entry_point": name,
+     "canonical_solution": f"    return {body}\n"}
+    for name, op, body, result in (("plus_one", "plus one", "x + 1", 5),
+                                   ("twice", "times two", "x * 2", 8))]
+
+
+def skilled_model(model_dir: Path, out_dir: Path, *, steps: int) -> Path:
+    """The tiny model mid-trained for `steps` on the two `SKILL_TASKS`' demonstrations (120:
+    it solves both; fewer: sometimes), saved with the tasks as `tasks.jsonl` beside it."""
+    import json
+
+    import torch
+
+    from simulate.harness import ChatTokens
+    from simulate.tasks import JsonlTasksConfig, build_task_source
+    from trainer.midtrain import midtrain
+    from trainer.policy import Policy
+
+    path = out_dir / "tasks.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in SKILL_TASKS))
+    torch.manual_seed(0)
+    policy = Policy.load(model_dir, lr=3e-3)
+    tasks = build_task_source(JsonlTasksConfig(path=path, held_out_fraction=1.0)).tasks()
+    midtrain(policy, ChatTokens(policy.tokenizer), tasks, steps=steps, batch_size=4, lr=3e-3)
+    out = policy.save(out_dir / "skilled")
+    (out / "tasks.jsonl").write_text(path.read_text())
+    return out
 
 
 @pytest.fixture

@@ -66,10 +66,11 @@ class BootstrapSettings(BaseModel):
     eval_every: int = Field(default=10, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)
-    rollout_workers: int = Field(default=1, ge=1)
-    # "process": each worker's engine runs in a spawned child process, on its own core and
-    # interpreter lock; "thread": in the trainer's process (starts faster, shares the lock)
-    rollout_isolation: Literal["process", "thread"] = "process"
+    # worker processes the bootstrap starts on this host (simulate/fleet.py); 0: only the
+    # `flywheel rollout-worker`s that join from elsewhere
+    rollout_workers: int = Field(default=1, ge=0)
+    # where policy versions go for the workers (an artifact store URL); None: <run_dir>/policy
+    policy_store_url: str | None = None
     groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
     torch_threads: int = Field(default=1, ge=1)
     # mid-training runs alone (no rollouts yet): it may use every core. None: os.cpu_count()

@@ -1,10 +1,9 @@
 """Offline bootstrap: mid-training, then GRPO on group rollouts, pipelined with bounded staleness.
 
 `OfflineTrainer` is the learner (named phases: `forward_backward`, `step`, `state_dict`,
-`close`); `RolloutWorker`s (trainer/rollout_workers.py) each own an engine, in a child process
-or in this one, and refresh its weights in place when the `StalenessGate` says they must.
-`run_bootstrap` wires them, evaluates held-out pass@1 before and after, and writes metrics and
-a plot.
+`close`); the rollouts come from the fleet (trainer/fleet.py: jobs out and groups in over
+Kafka, each policy version out as a delta; simulate/fleet.py: the workers). `run_bootstrap`
+wires them, evaluates held-out pass@1 before and after, and writes metrics and a plot.
 
     flywheel bootstrap --data-dir data        # see docs/bootstrap.md
 """
@@ -12,10 +11,11 @@ a plot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +23,13 @@ from typing import Any
 
 import torch
 
+from ingest.broker import open_broker
+from ingest.config import KafkaConfig
 from ingest.events import RolloutGroup
+from ingest.log import ensure_topics
+from kernels.delta.store import artifact_store_config, build_artifact_store
 from serving.torch_engine import TorchEngine
+from simulate.fleet import LocalWorkers, WorkerOptions
 from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
@@ -37,18 +42,11 @@ from simulate.rollouts import (
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
 from trainer.distributed import World
+from trainer.fleet import PolicyPublisher, RolloutFleet, model_files
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
+from trainer.local_engine import build_harness, load_weights, make_engine
 from trainer.midtrain import cosine_factor
-from trainer.pipeline import PipelineClosedError, StalenessGate
 from trainer.policy import Policy, Rows, TokenBatch
-from trainer.rollout_workers import (
-    RolloutWorker,
-    WeightStore,
-    build_harness,
-    build_rollouts,
-    load_weights,
-    make_engine,
-)
 from trainer.task_sampler import TaskSampler
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
@@ -175,8 +173,8 @@ class GrpoRun:
     samples: int = 0
     tokens: int = 0  # sampled by the policy in the trained episodes (every turn)
     wall_s: float = 0.0
-    trainer_idle: float = 0.0
-    rollout_idle: float = 0.0
+    trainer_idle: float = 0.0  # share of the wall time the trainer waited for groups
+    fleet: dict[str, Any] = field(default_factory=dict)  # the job ledger and bytes shipped
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out pass@1)
     last_eval: list[TaskOutcome] = field(default_factory=list)  # per task, at evals[-1]
@@ -203,26 +201,52 @@ class GrpoRun:
 def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out: list[Task],
              *, cache: SandboxCache, metrics_path: Path | None = None,
              eval_engine: TorchEngine | None = None, progress: bool = True,
-             trackers: Trackers | None = None) -> GrpoRun:
-    """Pipelined GRPO until `max_steps` or `time_budget_s`; evaluates every `eval_every`."""
+             trackers: Trackers | None = None, kafka: KafkaConfig | None = None,
+             work_dir: Path | None = None, batch_invariant: bool = False) -> GrpoRun:
+    """GRPO on the rollout fleet until `max_steps` or `time_budget_s`; evaluates every
+    `eval_every`. Over `kafka` (default: an embedded broker for the run), with
+    `cfg.rollout_workers` worker processes of its own plus any `flywheel rollout-worker`
+    that joins; the policy store is `cfg.policy_store_url` (default: `work_dir`/policy, or a
+    temporary directory)."""
+    with contextlib.ExitStack() as stack:
+        if kafka is None:
+            kafka = KafkaConfig(bootstrap=stack.enter_context(open_broker(None)))
+        ensure_topics(kafka)
+        if work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        store_url = cfg.policy_store_url or str(work_dir / "policy")
+        store = build_artifact_store(artifact_store_config(store_url))
+        model = policy.unsharded_model()
+        publisher = PolicyPublisher(store, kafka).start(
+            policy.version, policy.state_dict(), model_files(model, policy.tokenizer))
+        stack.callback(publisher.close)
+        workers = LocalWorkers(cfg.rollout_workers, kafka, store_url, WorkerOptions(
+            worker_id="worker", groups_in_flight=cfg.groups_in_flight,
+            torch_threads=cfg.torch_threads, prefix_cache_tokens=cfg.prefix_cache_tokens,
+            batch_invariant=batch_invariant, seed=cfg.seed), work_dir)
+        stack.callback(workers.stop)
+        fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
+                             publisher, first_step=policy.version, steps=cfg.max_steps,
+                             health=workers.check)
+        run = GrpoRun()
+        try:
+            _train(policy, cfg, fleet, run, held_out, cache=cache, metrics_path=metrics_path,
+                   eval_engine=eval_engine, progress=progress, trackers=trackers)
+        finally:
+            run.fleet = fleet.close(work_dir / "jobs.jsonl") | {
+                "delta_bytes_per_version": publisher.delta_bytes(),
+                "full_bytes_per_version": publisher.full_bytes}
+    return run
+
+
+def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: GrpoRun,
+           held_out: list[Task], *, cache: SandboxCache, metrics_path: Path | None,
+           eval_engine: TorchEngine | None, progress: bool, trackers: Trackers | None) -> None:
     from tqdm import tqdm
 
     trainer = OfflineTrainer.from_settings(policy, cfg)
-    gate: StalenessGate[RolloutGroup] = StalenessGate(
-        groups_per_step=cfg.groups_per_step, max_staleness=cfg.staleness,
-        version=policy.version)
-    store = WeightStore(policy.version, trainer.state_dict())
-    workers = [RolloutWorker(build_rollouts(policy, cfg, seed=cfg.seed + i, cache=cache), gate,
-                             store, TaskSampler(train, floor=cfg.solved_task_weight),
-                             seed=cfg.seed + i, groups_in_flight=cfg.groups_in_flight)
-               for i in range(cfg.rollout_workers)]
-    threads = [threading.Thread(target=w.run, name=f"rollout-{i}", daemon=True)
-               for i, w in enumerate(workers)]
-    run = GrpoRun()
     start = time.monotonic()
-    gate.trainer_idle.started = gate.rollout_idle.started = start
-    for t in threads:
-        t.start()
     # the run ends at its time budget (or max_steps): the bar counts seconds
     bar = tqdm(total=round(cfg.time_budget_s), desc="grpo", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=1.0)
@@ -230,24 +254,21 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         for step in range(policy.version, policy.version + cfg.max_steps):
             if time.monotonic() - start > cfg.time_budget_s:
                 break
-            try:
-                groups = gate.take_step(step)
-            except PipelineClosedError:
-                raise RuntimeError(f"rollout workers failed: {workers[0].errors}") from None
+            groups = fleet.take_step(step)
             spent = max((time.monotonic() - start) / cfg.time_budget_s,
                         run.steps / cfg.max_steps)  # of the run's budget
             lr = cfg.lr * cosine_factor(spent, floor=cfg.lr_floor)
             policy.set_lr(lr)
             metrics = trainer.step(groups)
-            store.put(policy.version, trainer.state_dict())
-            gate.publish(policy.version)
+            state = trainer.state_dict()
+            fleet.publisher.publish(policy.version, state)
             run.steps += 1
             run.samples += sum(len(g.trajectories) for g in groups)
             run.tokens += sum(int(t.loss_mask.unpack().sum()) for g in groups
                               for t in g.trajectories)
             record = {"step": run.steps, "wall_s": time.monotonic() - start, "lr": lr} | metrics
             if eval_engine is not None and run.steps % cfg.eval_every == 0:
-                load_weights(eval_engine, policy.version, store.latest()[1])
+                load_weights(eval_engine, policy.version, state)
                 record["held_out_pass_at_1"] = run.add_eval(
                     evaluate(eval_engine, cfg, held_out, cache))
             run.history.append(record)
@@ -260,17 +281,9 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
                             solved=f"{metrics['solved']:.2f}", refresh=False)
     finally:
         run.wall_s = time.monotonic() - start
-        run.trainer_idle = gate.trainer_idle.fraction()
-        busy = sum(w.busy_s for w in workers) / len(workers)
-        run.rollout_idle = max(0.0, 1.0 - busy / max(1e-9, run.wall_s))
-        gate.close()
+        run.trainer_idle = fleet.idle_s / max(1e-9, run.wall_s)
         bar.close()
-        for t in threads:
-            t.join(timeout=60)
-        for w in workers:
-            w.rollouts.close()
         trainer.close()
-    return run
 
 
 def write_outcomes(path: Path, before: list[TaskOutcome],
@@ -313,14 +326,15 @@ def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
 
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                   progress: bool = True, batch_invariant: bool = False,
-                  world: World | None = None,
-                  trackers: TrackerSettings | None = None) -> dict[str, Any]:
+                  world: World | None = None, trackers: TrackerSettings | None = None,
+                  kafka: KafkaConfig | None = None) -> dict[str, Any]:
     """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
     engines are copies of the policy's model, so they inherit the switch). Over the ranks of
     `world` the policy is sharded; the leader runs everything else (tasks, rollout workers,
     evals, files) and the others follow its training phases, then return {}. `trackers`:
-    where step metrics go besides metrics.jsonl (default: TensorBoard under run_dir)."""
+    where step metrics go besides metrics.jsonl (default: TensorBoard under run_dir). `kafka`:
+    the fleet's broker (default: an embedded one for the run)."""
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr, world=world,
@@ -330,13 +344,15 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         return {}
     try:
         return _bootstrap(policy, cfg, run_dir, progress=progress,
-                          trackers=trackers or TrackerSettings())
+                          trackers=trackers or TrackerSettings(), kafka=kafka,
+                          batch_invariant=batch_invariant)
     finally:
         policy.finish()
 
 
 def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
-               progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
+               progress: bool, trackers: TrackerSettings, kafka: KafkaConfig | None,
+               batch_invariant: bool) -> dict[str, Any]:
     from simulate.tasks import build_task_source
     from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
 
@@ -355,7 +371,8 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
         before = pass_rate(start_eval)
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
-                       eval_engine=eval_engine,
+                       eval_engine=eval_engine, kafka=kafka, work_dir=run_dir,
+                       batch_invariant=batch_invariant,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress,
                        trackers=tracked)
         if not run.evals or run.evals[-1][0] != run.steps:
@@ -373,7 +390,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
                "cheating_flagged": flagged, "wall_s": round(time.monotonic() - start, 1)}
     details = summary | {"midtrain_loss": mid.final_loss, "midtrain_and_eval_s": midtrain_s,
                          "samples": run.samples, "samples_per_s": run.samples_per_s,
-                         "trainer_idle": run.trainer_idle, "rollout_idle": run.rollout_idle,
+                         "trainer_idle": run.trainer_idle, "fleet": run.fleet,
                          "evals": run.evals, "held_out_tasks": min(len(held_out), cfg.eval_tasks),
                          "held_out_changes": changes,
                          "sandbox_cache_hits": cache.hits, "sandbox_runs": cache.misses,

@@ -78,6 +78,10 @@ class ArtifactStore(ABC):
     def list(self, prefix: str = "") -> Keys:
         """Every key under `prefix`, sorted."""
 
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under `prefix` (a release: `release_prefix(version, kind)`)."""
+
     def write_release(self, manifest: DeltaManifest, shards: Mapping[str, bytes]) -> str:
         """Shards first, the manifest last: a visible manifest means a complete release."""
         prefix = release_prefix(manifest.target.version, manifest.kind)
@@ -138,6 +142,12 @@ class LocalArtifactStore(ArtifactStore):
         keys = (p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
         return sorted(k for k in keys if not Path(k).name.startswith(".tmp-"))
 
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix)
+        if path == self.root.resolve():
+            raise ValueError("refusing to delete the whole store")
+        shutil.rmtree(path, ignore_errors=True)
+
     def write_release(self, manifest: DeltaManifest, shards: Mapping[str, bytes]) -> str:
         """Write into a temporary sibling directory, then rename it into place."""
         prefix = release_prefix(manifest.target.version, manifest.kind)
@@ -187,6 +197,13 @@ class FsspecArtifactStore(ArtifactStore):
             return []
         # `find` names paths as `url_to_fs` named the root: without the protocol
         return sorted(p[len(self.root) + 1:] for p in self.fs.find(base))
+
+    def delete_prefix(self, prefix: str) -> None:
+        if not prefix.strip("/"):
+            raise ValueError("refusing to delete the whole store")
+        base = self._path(prefix)
+        if self.fs.exists(base):
+            self.fs.rm(base, recursive=True)
 
 
 def build_artifact_store(config: LocalStoreConfig | FsspecStoreConfig) -> ArtifactStore:

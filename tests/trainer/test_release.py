@@ -4,7 +4,6 @@ artifact store."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from ingest.events import ReleasePublished
 from ingest.log import read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
+from tests.conftest import skilled_model
 from trainer.release import (
     PipelineReleaseSink,
     Release,
@@ -125,31 +125,11 @@ def test_delta_refuses_corruption_and_wrong_base(ctx: ReleaseContext, tmp_path: 
         prepare(base, manifest, reader)
 
 
-TASKS = [{"task_id": f"gate/{name}", "prompt": f'def {name}(x):\n    """Return x {op}."""\n',
-          "tests": f"def test_0():\n    assert {name}(4) == {result}\n", "entry_point": name,
-          "canonical_solution": f"    return {body}\n"}
-         for name, op, body, result in (("plus_one", "plus one", "x + 1", 5),
-                                        ("twice", "times two", "x * 2", 8))]
-
-
 @pytest.fixture(scope="module")
 def skilled_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model mid-trained on the two gate tasks' demonstrations until it solves them:
     a served version with an ability to lose."""
-    from simulate.harness import ChatTokens
-    from simulate.tasks import JsonlTasksConfig, build_task_source
-    from trainer.midtrain import midtrain
-    from trainer.policy import Policy
-
-    path = tmp_path_factory.mktemp("gate") / "tasks.jsonl"
-    path.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
-    torch.manual_seed(0)
-    policy = Policy.load(model_dir, lr=3e-3)
-    tasks = build_task_source(JsonlTasksConfig(path=path, held_out_fraction=1.0)).tasks()
-    midtrain(policy, ChatTokens(policy.tokenizer), tasks, steps=120, batch_size=4, lr=3e-3)
-    out = policy.save(path.parent / "skilled")
-    (out / "tasks.jsonl").write_text(path.read_text())
-    return out
+    return skilled_model(model_dir, tmp_path_factory.mktemp("gate"), steps=120)
 
 
 def test_held_out_pass_at_1_gate_refuses_a_damaged_candidate(

@@ -1,0 +1,349 @@
+"""The bootstrap's side of the rollout fleet: policy versions out as deltas, jobs out, groups in.
+
+- `PolicyPublisher` puts each new policy version in the policy store as a delta against the
+  one before (a full snapshot first, and every `snapshot_every` versions, for workers that
+  join late or fall far behind), prunes what no worker needs any more, and announces it on
+  the `policy` topic as a `ReleasePublished`. Encoding runs on its own thread; when versions
+  come faster than it encodes, it skips to the newest (the delta spans the gap).
+- `RolloutFleet` issues `RolloutJob`s and admits the `RolloutGroup`s that come back.
+  Bounded staleness is admission control at the source: the jobs of step k (min_version
+  k - max_staleness) are issued only once that version has been announced, so every job in
+  flight can be made at once, and no group is made that could only be discarded. A group is
+  admitted once per job (a second copy, from a worker that died before committing its job
+  and the member that remade it, is dropped by job id); one older than its job allows is
+  discarded with the reason and its slot issued again as a new job. The ledger says how
+  every job ended.
+
+    publisher = PolicyPublisher(store, kafka).start(version, weights, model_files)
+    fleet = RolloutFleet(kafka, cfg, sampler, publisher, first_step=version)
+    groups = fleet.take_step(step)     # issues jobs as versions are announced; blocks
+    publisher.publish(version + 1, new_weights)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ingest.config import KafkaConfig
+from ingest.events import (
+    DeadLetter,
+    EventDecodeError,
+    ReleaseKind,
+    ReleasePublished,
+    RolloutGroup,
+    RolloutJob,
+    RolloutSampling,
+    decode,
+    encode,
+)
+from ingest.log import EventProducer, from_beginning
+from kernels.delta import encode_delta, encode_snapshot
+from kernels.delta.store import ArtifactStore, release_prefix
+from kernels.weights import state_dict_sha256
+from simulate.fleet import MODEL_PREFIX
+from trainer.bootstrap_config import BootstrapSettings
+from trainer.task_sampler import TaskSampler
+
+log = logging.getLogger(__name__)
+
+Weights = dict[str, torch.Tensor]
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot go on (no worker delivered for too long, the publisher failed)."""
+
+
+@dataclass
+class Shipped:
+    version: int
+    kind: str  # delta | snapshot
+    nbytes: int  # stored (compressed) bytes of the release
+
+
+class PolicyPublisher:
+    def __init__(self, store: ArtifactStore, kafka: KafkaConfig, *,
+                 snapshot_every: int = 20) -> None:
+        self.store, self.kafka = store, kafka
+        self.snapshot_every = snapshot_every
+        self.shipped: list[Shipped] = []
+        self.full_bytes = 0  # the raw weights of one version
+        self._producer = EventProducer(kafka, client_id="policy-publisher")
+        self._cond = threading.Condition()
+        self._pending: tuple[int, Weights] | None = None
+        self._announced = -1
+        self._base: tuple[int, str, Weights] | None = None  # last announced: version, sha, w
+        self._snapshots: list[int] = []  # versions stored as snapshots, and as deltas
+        self._deltas: list[int] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="policy-publisher", daemon=True)
+
+    @property
+    def announced(self) -> int:
+        """The newest version announced (-1: none yet)."""
+        return self._announced
+
+    def start(self, version: int, weights: Weights, model_files: dict[str, bytes]
+              ) -> PolicyPublisher:
+        """Store the model's files and `version` as a snapshot, announce it; then publish on
+        the publisher's thread."""
+        for name, data in model_files.items():
+            self.store.put_bytes(MODEL_PREFIX + name, data)
+        self.full_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        self._ship(version, weights)
+        self._thread.start()
+        return self
+
+    def publish(self, version: int, weights: Weights) -> None:
+        """Queue `version` (`weights` must not change afterwards); returns at once."""
+        with self._cond:
+            if self._error is not None:
+                raise FleetError("the policy publisher failed") from self._error
+            self._pending = (version, weights)
+            self._cond.notify_all()
+
+    def wait_announced(self, version: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._announced >= version or self._error
+                                       is not None, timeout=timeout_s) and self._error is None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+        self._producer.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                version, weights = self._pending
+                self._pending = None
+            try:
+                self._ship(version, weights)
+            except BaseException as exc:  # surfaced to the trainer by the next publish
+                log.exception("policy v%d could not be published", version)
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+
+    def _ship(self, version: int, weights: Weights) -> None:
+        sha = state_dict_sha256(weights)
+        first = self._base is None
+        if first or version - self._snapshots[-1] >= self.snapshot_every:
+            encoded = encode_snapshot(weights, version=version, sha256=sha)
+            self.store.write_release(encoded.manifest, encoded.shards)
+            self._snapshots.append(version)
+            self.shipped.append(Shipped(version, "snapshot", encoded.manifest.nbytes))
+        if self._base is not None:
+            base_version, base_sha, base = self._base
+            encoded = encode_delta(base, weights, base_version=base_version,
+                                   target_version=version, base_sha256=base_sha,
+                                   target_sha256=sha)
+            self.store.write_release(encoded.manifest, encoded.shards)
+            self.shipped.append(Shipped(version, "delta", encoded.manifest.nbytes))
+            self._deltas.append(version)
+        self._prune()
+        kind: ReleaseKind = "snapshot" if first else "delta"
+        uri = release_prefix(version, kind)
+        event = ReleasePublished(
+            version=version, parent=None if first else self._base[0],  # type: ignore[index]
+            kind=kind, manifest_uri=uri, snapshot_uri=uri if first else None, sha256=sha)
+        self._producer.send(self.kafka.topics.policy, str(version), event).get(
+            timeout=self.kafka.delivery_timeout_ms / 1000)
+        self._base = (version, sha, weights)
+        with self._cond:
+            self._announced = version
+            self._cond.notify_all()
+
+    def _prune(self) -> None:
+        """Keep the newest snapshot and the deltas after it: what takes a worker from any
+        version since that snapshot, or from none, to the newest."""
+        snapshot = self._snapshots[-1]
+        for old in self._snapshots[:-1]:
+            self.store.delete_prefix(release_prefix(old, "snapshot"))
+        for old in [v for v in self._deltas if v <= snapshot]:
+            self.store.delete_prefix(release_prefix(old, "delta"))
+        self._snapshots = [snapshot]
+        self._deltas = [v for v in self._deltas if v > snapshot]
+
+    def delta_bytes(self) -> float:
+        """Mean stored bytes of one version's delta."""
+        deltas = [s.nbytes for s in self.shipped if s.kind == "delta"]
+        return sum(deltas) / max(1, len(deltas))
+
+
+@dataclass
+class Ledger:
+    """How each issued job ended: admitted once, or discarded with a reason."""
+
+    issued: dict[str, RolloutJob] = field(default_factory=dict)
+    admitted: dict[str, str] = field(default_factory=dict)  # job id -> worker
+    discarded: dict[str, str] = field(default_factory=dict)  # job id -> reason
+    duplicates: int = 0  # second copies of an admitted or discarded job's group, dropped
+    foreign: int = 0  # groups of jobs this run never issued (another run's), ignored
+
+    def summary(self) -> dict[str, Any]:
+        workers: dict[str, int] = defaultdict(int)
+        for worker in self.admitted.values():
+            workers[worker] += 1
+        return {"issued": len(self.issued), "admitted": len(self.admitted),
+                "discarded": len(self.discarded), "duplicates": self.duplicates,
+                "foreign": self.foreign, "by_worker": dict(workers)}
+
+
+class RolloutFleet:
+    def __init__(self, kafka: KafkaConfig, cfg: BootstrapSettings, tasks: TaskSampler,
+                 publisher: PolicyPublisher, *, first_step: int, steps: int,
+                 run_id: str | None = None,
+                 stall_timeout_s: float = 300.0,
+                 health: Callable[[], None] | None = None) -> None:
+        self.kafka, self.cfg, self.tasks, self.publisher = kafka, cfg, tasks, publisher
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.first_step = first_step
+        self.end_slot = (first_step + steps) * cfg.groups_per_step  # no job past the last step
+        self.stall_timeout_s = stall_timeout_s
+        self.health = health  # raises when the workers are gone (LocalWorkers.check)
+        self.ledger = Ledger()
+        self.idle_s = 0.0  # the trainer's wait in take_step
+        self._rng = random.Random(cfg.seed)
+        self._next_slot = first_step * cfg.groups_per_step
+        self._reissues = 0
+        self._step_of: dict[str, tuple[int, int]] = {}  # job id -> (step, slot)
+        self._ready: dict[int, list[tuple[int, RolloutGroup]]] = defaultdict(list)
+        self._producer = EventProducer(kafka, client_id=f"fleet-{self.run_id}")
+        self._partitions = self._producer.partitions(kafka.topics.rollout_jobs)
+        self._groups, parts = from_beginning(kafka, kafka.topics.rollouts,
+                                             fetch_max_wait_ms=50, max_poll_records=64)
+        self._groups.seek_to_end(*parts)  # this run's groups come after this point
+        for p in parts:
+            self._groups.position(p)  # resolve the end now, before any job goes out
+
+    def min_version(self, step: int) -> int:
+        return max(self.first_step, step - self.cfg.staleness)
+
+    def take_step(self, step: int) -> list[RolloutGroup]:
+        """Every group of `step`, in slot order; issues jobs while it waits."""
+        start = last_progress = time.monotonic()
+        have = len(self._ready[step])
+        while len(self._ready[step]) < self.cfg.groups_per_step:
+            self._issue()
+            self._poll()
+            if self.health is not None:
+                self.health()
+            if len(self._ready[step]) > have:
+                have, last_progress = len(self._ready[step]), time.monotonic()
+            elif time.monotonic() - last_progress > self.stall_timeout_s:
+                raise FleetError(f"no group of step {step} arrived for "
+                                 f"{self.stall_timeout_s:.0f}s: are rollout workers running?")
+        self.idle_s += time.monotonic() - start
+        return [g for _, g in sorted(self._ready.pop(step), key=lambda x: x[0])]
+
+    def close(self, jobs_path: Path | None = None) -> dict[str, Any]:
+        """Stop; every job not admitted by now is discarded ("run ended"). Returns the
+        ledger's summary; writes each job's end to `jobs_path` (JSON lines)."""
+        ledger = self.ledger
+        for job_id in ledger.issued:
+            if job_id not in ledger.admitted and job_id not in ledger.discarded:
+                ledger.discarded[job_id] = "run ended"
+        self._groups.close()
+        self._producer.close()
+        if jobs_path is not None:
+            with jobs_path.open("w") as f:
+                for job_id, job in ledger.issued.items():
+                    f.write(json.dumps({
+                        "job_id": job_id, "step": job.step, "task_id": job.task["task_id"],
+                        "min_version": job.min_version,
+                        "admitted_from": ledger.admitted.get(job_id),
+                        "discarded": ledger.discarded.get(job_id)}) + "\n")
+        return ledger.summary()
+
+    # ---- jobs out --------------------------------------------------------------------------
+    def _issue(self) -> None:
+        """Issue every slot whose step may start on the announced version."""
+        gps = self.cfg.groups_per_step
+        sent = False
+        while (self._next_slot < self.end_slot
+               and self._next_slot // gps - self.cfg.staleness <= self.publisher.announced):
+            slot = self._next_slot
+            self._next_slot += 1
+            self._send(slot // gps, slot, f"{self.run_id}-{slot}")
+            sent = True
+        if sent:
+            self._producer.flush(self.kafka.delivery_timeout_ms / 1000)
+
+    def _send(self, step: int, slot: int, job_id: str) -> None:
+        cfg = self.cfg
+        task = self.tasks.draw(self._rng, 1)[0]
+        job = RolloutJob(job_id=job_id, run_id=self.run_id, step=step,
+                         min_version=self.min_version(step), group_size=cfg.group_size,
+                         seed=slot, task=task.model_dump(mode="json"),
+                         sampling=RolloutSampling(temperature=cfg.temperature,
+                                                  max_tokens=cfg.max_tokens,
+                                                  max_turns=cfg.max_turns,
+                                                  context_budget=cfg.context_budget))
+        self.ledger.issued[job_id] = job
+        self._step_of[job_id] = (step, slot)
+        # slots round-robin over the partitions: consecutive jobs go to different workers
+        self._producer.send_raw(self.kafka.topics.rollout_jobs, job_id, encode(job),
+                                partition=slot % self._partitions)
+
+    # ---- groups in -------------------------------------------------------------------------
+    def _poll(self) -> None:
+        for tp, records in self._groups.poll(timeout_ms=50).items():
+            for rec in records:
+                raw = rec.value or b""
+                try:
+                    group = decode(RolloutGroup, raw)
+                except EventDecodeError as exc:
+                    self._producer.send(self.kafka.topics.dlq, rec.key, DeadLetter.of(
+                        topic=tp.topic, partition=tp.partition, offset=rec.offset,
+                        key=rec.key, raw=raw, reason=str(exc), consumer="bootstrap"))
+                    continue
+                self._admit(group)
+
+    def _admit(self, group: RolloutGroup) -> None:
+        ledger, job_id = self.ledger, group.job_id or ""
+        if job_id not in ledger.issued:
+            ledger.foreign += 1
+            return
+        if job_id in ledger.admitted or job_id in ledger.discarded:
+            ledger.duplicates += 1
+            return
+        step, slot = self._step_of[job_id]
+        if group.policy_version < ledger.issued[job_id].min_version:
+            ledger.discarded[job_id] = (f"made by v{group.policy_version}, the job needs "
+                                        f"v{ledger.issued[job_id].min_version} or newer")
+            self._reissues += 1
+            self._send(step, slot, f"{self.run_id}-{slot}-r{self._reissues}")
+            return
+        ledger.admitted[job_id] = group.worker or "?"
+        self.tasks.observe([group])
+        self._ready[step].append((slot, group))
+
+
+def model_files(policy_model: Any, tokenizer: Any) -> dict[str, bytes]:
+    """The model's config and tokenizer files (no weights): what a worker builds it from."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        policy_model.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
