@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -207,7 +208,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
     `eval_every`. Over `kafka` (default: an embedded broker for the run), with
     `cfg.rollout_workers` worker processes of its own plus any `flywheel rollout-worker`
     that joins; the policy store is `cfg.policy_store_url` (default: `work_dir`/policy, or a
-    temporary directory)."""
+    temporary directory; removed at the end, unless given)."""
     with contextlib.ExitStack() as stack:
         if kafka is None:
             kafka = KafkaConfig(bootstrap=stack.enter_context(open_broker(None)))
@@ -216,6 +217,8 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
         work_dir.mkdir(parents=True, exist_ok=True)
         store_url = cfg.policy_store_url or str(work_dir / "policy")
+        if cfg.policy_store_url is None:  # the run's own, for its workers only
+            stack.callback(shutil.rmtree, work_dir / "policy", ignore_errors=True)
         store = build_artifact_store(artifact_store_config(store_url))
         model = policy.unsharded_model()
         publisher = PolicyPublisher(store, kafka).start(
