@@ -197,7 +197,7 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
 
 
 def cmd_rollout_worker(args: argparse.Namespace) -> int:
-    from simulate.fleet import WorkerLaunch, WorkerOptions, run_worker
+    from simulate.fleet import WorkerLaunch, run_worker
 
     settings = _settings(args)
     bootstrap = args.kafka or settings.kafka_bootstrap
@@ -214,11 +214,8 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
     import os
     import socket
 
-    options = WorkerOptions(
-        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        groups_in_flight=cfg.groups_in_flight, torch_threads=cfg.torch_threads,
-        prefix_cache_tokens=cfg.prefix_cache_tokens, batch_invariant=settings.batch_invariant,
-        seed=cfg.seed)
+    options = cfg.worker_options(args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+                                 batch_invariant=settings.batch_invariant)
     logging.getLogger("simulate").setLevel(logging.INFO)
     logging.getLogger("serving").setLevel(logging.INFO)
     run_worker(WorkerLaunch(kafka=settings.kafka_config(bootstrap), store_url=store,

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,6 @@ class WorkerStats:
     samples: int = 0
     busy_s: float = 0.0  # making groups
     wait_s: float = 0.0  # waiting for a policy version
-    started: list[str] = field(default_factory=list)  # job ids, in the order begun
 
 
 def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = False
@@ -173,7 +172,6 @@ class FleetWorker:
         if live:
             if not self._wait_for(max(j.min_version for j in live), stop):
                 return  # stopping: nothing committed, the jobs go to the next owner
-            self.stats.started.extend(j.job_id for j in live)
             log.info("%s: making %s on v%d", self.options.worker_id,
                      ",".join(j.job_id for j in live), self.engine.version.number)
             start = time.monotonic()

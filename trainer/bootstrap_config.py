@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
 if TYPE_CHECKING:
+    from simulate.fleet import WorkerOptions
     from simulate.harness import HarnessConfig
 
 ClipAnchor = Literal["trainer", "behavior"]
@@ -93,6 +94,16 @@ class BootstrapSettings(BaseModel):
 
         return HarnessConfig(max_turns=self.max_turns, max_tokens=self.max_tokens,
                              temperature=temperature, context_budget=self.context_budget)
+
+    def worker_options(self, worker_id: str, *, batch_invariant: bool) -> WorkerOptions:
+        """A rollout worker's options at these settings (the bootstrap's own workers and
+        `flywheel rollout-worker` alike)."""
+        from simulate.fleet import WorkerOptions
+
+        return WorkerOptions(worker_id=worker_id, groups_in_flight=self.groups_in_flight,
+                             torch_threads=self.torch_threads,
+                             prefix_cache_tokens=self.prefix_cache_tokens,
+                             batch_invariant=batch_invariant, seed=self.seed)
 
     @property
     def staleness(self) -> int:

@@ -84,8 +84,8 @@ class PolicyPublisher:
         self._pending: tuple[int, Weights] | None = None
         self._announced = -1
         self._base: tuple[int, str, Weights] | None = None  # last announced: version, sha, w
-        self._snapshots: list[int] = []  # versions stored as snapshots, and as deltas
-        self._deltas: list[int] = []
+        self._snapshot = -1  # the newest version stored as a snapshot (-1: none yet)
+        self._deltas: list[int] = []  # versions stored as deltas, after that snapshot
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="policy-publisher", daemon=True)
@@ -114,11 +114,6 @@ class PolicyPublisher:
             self._pending = (version, weights)
             self._cond.notify_all()
 
-    def wait_announced(self, version: int, timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._announced >= version or self._error
-                                       is not None, timeout=timeout_s) and self._error is None
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -146,12 +141,12 @@ class PolicyPublisher:
 
     def _ship(self, version: int, weights: Weights) -> None:
         sha = state_dict_sha256(weights)
-        first = self._base is None
-        if first or version - self._snapshots[-1] >= self.snapshot_every:
+        parent = None if self._base is None else self._base[0]
+        if parent is None or version - self._snapshot >= self.snapshot_every:
             encoded = encode_snapshot(weights, version=version, sha256=sha)
             self.store.write_release(encoded.manifest, encoded.shards)
-            self._snapshots.append(version)
             self.shipped.append(Shipped(version, "snapshot", encoded.manifest.nbytes))
+            self._prune(version)
         if self._base is not None:
             base_version, base_sha, base = self._base
             encoded = encode_delta(base, weights, base_version=base_version,
@@ -160,12 +155,10 @@ class PolicyPublisher:
             self.store.write_release(encoded.manifest, encoded.shards)
             self.shipped.append(Shipped(version, "delta", encoded.manifest.nbytes))
             self._deltas.append(version)
-        self._prune()
-        kind: ReleaseKind = "snapshot" if first else "delta"
+        kind: ReleaseKind = "snapshot" if parent is None else "delta"
         uri = release_prefix(version, kind)
-        event = ReleasePublished(
-            version=version, parent=None if first else self._base[0],  # type: ignore[index]
-            kind=kind, manifest_uri=uri, snapshot_uri=uri if first else None, sha256=sha)
+        event = ReleasePublished(version=version, parent=parent, kind=kind, manifest_uri=uri,
+                                 snapshot_uri=uri if parent is None else None, sha256=sha)
         self._producer.send(self.kafka.topics.policy, str(version), event).get(
             timeout=self.kafka.delivery_timeout_ms / 1000)
         self._base = (version, sha, weights)
@@ -173,16 +166,15 @@ class PolicyPublisher:
             self._announced = version
             self._cond.notify_all()
 
-    def _prune(self) -> None:
-        """Keep the newest snapshot and the deltas after it: what takes a worker from any
-        version since that snapshot, or from none, to the newest."""
-        snapshot = self._snapshots[-1]
-        for old in self._snapshots[:-1]:
-            self.store.delete_prefix(release_prefix(old, "snapshot"))
-        for old in [v for v in self._deltas if v <= snapshot]:
+    def _prune(self, snapshot: int) -> None:
+        """`snapshot` was just stored: drop the older snapshot and every delta, so the store
+        keeps the newest snapshot and the deltas from it on (what takes a worker from any
+        version since that snapshot, or from none, to the newest)."""
+        if self._snapshot >= 0:
+            self.store.delete_prefix(release_prefix(self._snapshot, "snapshot"))
+        for old in self._deltas:
             self.store.delete_prefix(release_prefix(old, "delta"))
-        self._snapshots = [snapshot]
-        self._deltas = [v for v in self._deltas if v > snapshot]
+        self._snapshot, self._deltas = snapshot, []
 
     def delta_bytes(self) -> float:
         """Mean stored bytes of one version's delta."""

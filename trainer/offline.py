@@ -30,7 +30,7 @@ from ingest.events import RolloutGroup
 from ingest.log import ensure_topics
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from serving.torch_engine import TorchEngine
-from simulate.fleet import LocalWorkers, WorkerOptions
+from simulate.fleet import LocalWorkers
 from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
@@ -220,14 +220,12 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         if cfg.policy_store_url is None:  # the run's own, for its workers only
             stack.callback(shutil.rmtree, work_dir / "policy", ignore_errors=True)
         store = build_artifact_store(artifact_store_config(store_url))
-        model = policy.unsharded_model()
         publisher = PolicyPublisher(store, kafka).start(
-            policy.version, policy.state_dict(), model_files(model, policy.tokenizer))
+            policy.version, policy.state_dict(), model_files(policy.model, policy.tokenizer))
         stack.callback(publisher.close)
-        workers = LocalWorkers(cfg.rollout_workers, kafka, store_url, WorkerOptions(
-            worker_id="worker", groups_in_flight=cfg.groups_in_flight,
-            torch_threads=cfg.torch_threads, prefix_cache_tokens=cfg.prefix_cache_tokens,
-            batch_invariant=batch_invariant, seed=cfg.seed), work_dir)
+        workers = LocalWorkers(cfg.rollout_workers, kafka, store_url,
+                               cfg.worker_options("worker", batch_invariant=batch_invariant),
+                               work_dir)
         stack.callback(workers.stop)
         fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
                              publisher, first_step=policy.version, steps=cfg.max_steps,

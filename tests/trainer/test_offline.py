@@ -48,7 +48,7 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
 
 
 def test_mean_reward_is_the_seeded_expected_reward_on_a_fixed_task_list(model_dir: Path) -> None:
-    """What bench/pipeline.py compares sync and async by: the same tasks and seeds give the
+    """What bench/vs_trl.py compares final policies by: the same tasks and seeds give the
     same figure, and every episode's reward is counted."""
     from simulate.rollouts import SandboxCache
     from simulate.tasks import BuiltinTaskSource
