@@ -20,11 +20,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/flywheel demo
 
-# the console's browser test drives Debian's chromium and chromedriver (installed once, quietly)
+# the console's browser test drives Debian's chromium and chromedriver, the many-hosts test
+# builds network namespaces with iproute2 (installed once, quietly)
 test: $(STAMP)
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
+		command -v ip >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		chromium chromium-driver >/dev/null; }
+		chromium chromium-driver iproute2 >/dev/null; }
 	$(BIN)/python -m pytest -q --durations=15
 
 # bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)

@@ -6,9 +6,12 @@ the data dir, so a worker needs no server, and the API process runs that worker 
 (`EmbeddedWorker`: solo pool and beat on a thread, started and stopped with the app), so
 `flywheel up` runs what `POST /admin/releases` and beat queue. Production:
 `FLYWHEEL_CELERY_BROKER_URL` (redis://…), with results on the same Redis, and workers are
-separate processes. Beat runs `build_release` every `release.interval_s`.
+separate processes. Beat runs `build_release` every `release.interval_s`. Rollout workers
+send sandbox jobs to their own queue (`simulate/sandbox_service.py`), which a sandbox fleet
+consumes apart from the release worker.
 
     celery -A app.celery_app:celery_from_env worker --beat     # or make_celery(settings)
+    celery -A app.celery_app:celery_from_env worker -Q flywheel-sandbox    # a sandbox host
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from typing import Any
 from celery import Celery
 
 from app.settings import Settings
+from simulate.sandbox_service import SANDBOX_TASK
 
 log = logging.getLogger(__name__)
 
 RELEASE_TASK = "flywheel.build_release"
 ROLLBACK_TASK = "flywheel.rollback_release"
-SANDBOX_TASK = "flywheel.run_sandboxed"
 
 
 def _filesystem_folders(data_dir: Path) -> dict[str, Any]:

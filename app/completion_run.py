@@ -32,16 +32,17 @@ async def run_choices(services: Services, p: Plan
 
     tasks = [asyncio.create_task(pump(c)) for c in p.choices]
     try:
-        running = len(tasks)
-        while running:
-            choice, item = await events.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                choice.absorb(item)
-                yield choice, item
+        with services.live.request():  # a scavenging rollout worker yields while any is
+            running = len(tasks)
+            while running:
+                choice, item = await events.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    choice.absorb(item)
+                    yield choice, item
     finally:
         for task in tasks:
             task.cancel()

@@ -82,7 +82,30 @@ def start_release_follower(services: Services) -> None:
         registry=metrics.registry if metrics is not None else None)
 
 
+def start_scavenger(services: Services) -> None:
+    """Off-peak rollouts for the bootstrap on this replica's cores (simulate/scavenge.py)."""
+    import os
+    import socket
+
+    from simulate.fleet import WorkerLaunch
+    from simulate.scavenge import Scavenger
+
+    settings, scavenge = services.settings, services.settings.scavenge
+    if scavenge.store_url is None:
+        raise RuntimeError("FLYWHEEL_SCAVENGE__STORE_URL: the bootstrap's policy store")
+    options = settings.bootstrap.worker_options(
+        f"{socket.gethostname()}-{os.getpid()}-scavenger",
+        batch_invariant=settings.batch_invariant).model_copy(
+        update={"groups_in_flight": scavenge.groups_in_flight})
+    kafka = (settings.kafka_config(scavenge.kafka_bootstrap) if scavenge.kafka_bootstrap
+             else services.kafka)
+    services.scavenger = Scavenger(services.live, WorkerLaunch(
+        kafka=kafka, store_url=scavenge.store_url, options=options), scavenge).start()
+
+
 def close_services(services: Services) -> None:
+    if services.scavenger is not None:
+        services.scavenger.stop()
     if services.beacon is not None:
         services.beacon.close()
     if services.replica is not None:
@@ -106,6 +129,8 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
         app.state.services = build_services(settings) if owned else services
         if owned and settings.release.follow:
             start_release_follower(app.state.services)
+        if owned and settings.scavenge.enabled:
+            start_scavenger(app.state.services)
         worker = None
         if owned:  # the embedded profile runs its own release worker (app/celery_app.py)
             from app.celery_app import start_release_worker

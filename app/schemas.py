@@ -77,6 +77,7 @@ class StatusResponse(BaseModel):
     feedback_duplicates: int
     replica: dict[str, Any] | None = None  # release follower: version, swaps, pauses, refusals
     trainer: dict[str, Any] | None = None  # online trainer: step, consumed, lag, last release
+    scavenger: dict[str, Any] | None = None  # off-peak rollouts: member, joins, groups made
 
 
 class ReleaseRequest(BaseModel):

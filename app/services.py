@@ -15,6 +15,7 @@ from ingest.config import KafkaConfig
 from ingest.log import EventProducer
 from ingest.session_log import SessionLog
 from serving.engine import Engine
+from serving.live_load import LiveLoad
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Services:
     feedback: FeedbackIntake | None = None  # see feedback_intake()
     console: Any | None = None  # app.console.ConsoleFeeds, see console_feeds()
     beacon: Any | None = None  # app.replicas.ReplicaBeacon: which version this replica serves
+    live: LiveLoad = field(default_factory=LiveLoad)  # users' requests in flight and their rate
+    scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
 
     def release_tasks(self) -> Any:
         if self.celery is None:

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
+from simulate.scavenge import ScavengeSettings
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.config import TinyMoeSettings
 from trainer.online_config import OnlineTrainerSettings
@@ -70,6 +71,7 @@ class Settings(BaseSettings):
     join: JoinSettings = JoinSettings()
     online: OnlineTrainerSettings = OnlineTrainerSettings()
     trackers: TrackerSettings = TrackerSettings()  # TensorBoard, MLflow (trainer/trackers.py)
+    scavenge: ScavengeSettings = ScavengeSettings()  # off-peak rollouts (simulate/scavenge.py)
 
     @model_validator(mode="after")
     def _production_needs_services(self) -> Settings:

@@ -18,18 +18,21 @@ A worker killed anywhere in 3 loses nothing: the jobs are remade by whoever owns
 partition next, and the trainer drops the second copy of a group by job id.
 
     worker = FleetWorker.start(kafka, store, WorkerOptions(worker_id="w0"))
-    stats = worker.run(stop)   # until stop is set
+    stats = worker.run(stop)   # until stop is set (or `preempt()`: simulate/scavenge.py)
+    worker.close()
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from serving.release_subscriber import ReleaseSubscriber
 from serving.torch_engine import TorchEngine
 from simulate.harness import Harness, HarnessConfig
 from simulate.rollouts import SandboxCache, rollout_group
+from simulate.sandbox_service import sandbox_runner
 from simulate.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ class WorkerOptions(BaseModel):
     batch_invariant: bool = False
     seed: int = 0
     start_timeout_s: float = Field(default=3600.0, gt=0)  # for the first policy snapshot
+    # a Celery broker (redis://…) whose sandbox fleet runs the tool calls and scoring
+    # (simulate/sandbox_service.py); None: the local sandbox
+    sandbox_url: str | None = None
 
 
 class WorkerLaunch(BaseModel):
@@ -81,6 +88,7 @@ class WorkerStats:
     samples: int = 0
     busy_s: float = 0.0  # making groups
     wait_s: float = 0.0  # waiting for a policy version
+    preempted: int = 0  # jobs given back unmade (a scavenging replica's users came back)
 
 
 def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = False
@@ -110,27 +118,47 @@ def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = 
 
 
 class FleetWorker:
+    """One worker: its own engine on the newest policy version, and (once `join`ed) a member
+    of the workers' consumer group. `run` until stopped or preempted; `leave` hands the
+    uncommitted jobs back to the group; `close` ends it all."""
+
     def __init__(self, engine: TorchEngine, kafka: KafkaConfig, store: ArtifactStore,
-                 options: WorkerOptions, cache: SandboxCache | None = None) -> None:
+                 options: WorkerOptions, cache: SandboxCache | None = None, *,
+                 join: bool = True) -> None:
         self.engine, self.kafka, self.options = engine, kafka, options
-        self.cache = cache or SandboxCache()
+        self.cache = cache or SandboxCache(sandbox_runner(options.sandbox_url))
         self.stats = WorkerStats()
         self.policy = ReleaseSubscriber(engine, kafka, store, topic=kafka.topics.policy,
                                         auto_swap=False, poll_timeout_ms=50).start()
         self._producer = EventProducer(kafka, client_id=options.worker_id)
-        jobs = kafka.topics.rollout_jobs
+        self._jobs: EventConsumer | None = None
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Become a member of the workers' group (a share of the jobs topic's partitions)."""
+        jobs = self.kafka.topics.rollout_jobs
         self._jobs = EventConsumer(
-            kafka, group_id=options.group_id or f"{jobs}-workers", types={jobs: RolloutJob},
-            dlq=self._producer, name=options.worker_id,
-            max_poll_records=options.groups_in_flight, fetch_max_wait_ms=50)
+            self.kafka, group_id=self.options.group_id or f"{jobs}-workers",
+            types={jobs: RolloutJob}, dlq=self._producer, name=self.options.worker_id,
+            max_poll_records=self.options.groups_in_flight, fetch_max_wait_ms=50)
+
+    def leave(self) -> None:
+        """Leave the group: the jobs taken but not committed go to the other members."""
+        if self._jobs is not None:
+            self._jobs.close()
+            self._jobs = None
 
     @classmethod
-    def start(cls, kafka: KafkaConfig, store: ArtifactStore,
-              options: WorkerOptions) -> FleetWorker:
+    def start(cls, kafka: KafkaConfig, store: ArtifactStore, options: WorkerOptions, *,
+              join: bool = True, own_process: bool = True) -> FleetWorker:
+        """Load the policy and start following it. `own_process`: the worker owns this
+        process and sets its torch threads and seed (False inside a serving replica)."""
         import torch
 
-        torch.set_num_threads(options.torch_threads)
-        torch.manual_seed(options.seed)
+        if own_process:
+            torch.set_num_threads(options.torch_threads)
+            torch.manual_seed(options.seed)
         deadline = time.monotonic() + options.start_timeout_s
         while not any(r.kind == "snapshot" for r in store.releases()):
             if time.monotonic() > deadline:
@@ -144,18 +172,19 @@ class FleetWorker:
                              prefix_cache_tokens=options.prefix_cache_tokens)
         engine.set_version(version)
         log.info("%s: policy v%d loaded", options.worker_id, version.number)
-        return cls(engine, kafka, store, options)
+        return cls(engine, kafka, store, options, join=join)
 
-    def run(self, stop: threading.Event) -> WorkerStats:
-        try:
-            while not stop.is_set():
-                jobs = [d.event for d in self._jobs.poll(timeout_ms=100)]
-                if jobs:
-                    self._make(jobs, stop)
-                else:
-                    self._catch_up()  # idle: stay on the newest version anyway
-        finally:
-            self.close()
+    def run(self, stop: threading.Event, preempt: Callable[[], bool] | None = None
+            ) -> WorkerStats:
+        """Take jobs until `stop` is set or `preempt()` says so; a preempted batch is dropped
+        uncommitted (the caller `leave`s, and its jobs go to the other members)."""
+        assert self._jobs is not None, "join() first"
+        while not stop.is_set() and not (preempt and preempt()):
+            jobs = [d.event for d in self._jobs.poll(timeout_ms=100)]
+            if jobs:
+                self._make(jobs, stop, preempt)
+            else:
+                self._catch_up()  # idle: stay on the newest version anyway
         return self.stats
 
     def _catch_up(self, *, retry: bool = False) -> None:
@@ -164,7 +193,8 @@ class FleetWorker:
             log.info("%s: on v%d sha256 %s (%d step(s), %.0f ms paused)", self.options.worker_id,
                      record.version, record.live_sha256, record.steps, record.paused_s * 1e3)
 
-    def _make(self, jobs: list[RolloutJob], stop: threading.Event) -> None:
+    def _make(self, jobs: list[RolloutJob], stop: threading.Event,
+              preempt: Callable[[], bool] | None) -> None:
         self._catch_up()
         newest = self.policy.newest_version
         live = [j for j in jobs if newest is None or newest <= j.step]
@@ -175,13 +205,19 @@ class FleetWorker:
             log.info("%s: making %s on v%d", self.options.worker_id,
                      ",".join(j.job_id for j in live), self.engine.version.number)
             start = time.monotonic()
-            groups = asyncio.run(self._groups(live))
+            groups = asyncio.run(self._groups(live, preempt))
             self.stats.busy_s += time.monotonic() - start
+            if groups is None:  # preempted: nothing delivered, nothing committed
+                self.stats.preempted += len(live)
+                log.info("%s: preempted, handed back %s", self.options.worker_id,
+                         ",".join(j.job_id for j in live))
+                return
             self._producer.deliver(self.kafka.topics.rollouts,
                                    [(g.group_id, encode(g)) for g in groups],
                                    timeout_s=self.kafka.delivery_timeout_ms / 1000)
             self.stats.jobs += len(groups)
             self.stats.samples += sum(len(g.trajectories) for g in groups)
+        assert self._jobs is not None
         self._jobs.commit()
 
     def _wait_for(self, version: int, stop: threading.Event) -> bool:
@@ -198,7 +234,10 @@ class FleetWorker:
         self.stats.wait_s += time.monotonic() - start
         return True
 
-    async def _groups(self, jobs: list[RolloutJob]) -> list[RolloutGroup]:
+    async def _groups(self, jobs: list[RolloutJob], preempt: Callable[[], bool] | None
+                      ) -> list[RolloutGroup] | None:
+        """The jobs' groups, made at once; None when `preempt()` turned true first (every
+        sequence in flight is cancelled: the engine drops them before its next step)."""
         async def one(job: RolloutJob) -> RolloutGroup:
             s = job.sampling
             harness = Harness.on_engine(self.engine, HarnessConfig(
@@ -209,10 +248,18 @@ class FleetWorker:
                                         seed=job.seed)
             return group.model_copy(update={"group_id": job.job_id, "job_id": job.job_id,
                                             "worker": self.options.worker_id})
-        return list(await asyncio.gather(*(one(j) for j in jobs)))
+        batch = asyncio.gather(*(one(j) for j in jobs))
+        while preempt is not None and not batch.done():
+            await asyncio.wait([batch], timeout=0.005)
+            if not batch.done() and preempt():
+                batch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await batch
+                return None
+        return list(await batch)
 
     def close(self) -> None:
-        self._jobs.close()
+        self.leave()
         self.policy.stop()
         self._producer.close()
         self.engine.close()
@@ -263,7 +310,10 @@ def run_worker(launch: WorkerLaunch, stop: threading.Event) -> WorkerStats:
     store = build_artifact_store(artifact_store_config(launch.store_url))
     worker = FleetWorker.start(launch.kafka, store, launch.options)
     print(f"READY {launch.options.worker_id} v{worker.engine.version.number}", flush=True)
-    stats = worker.run(stop)
+    try:
+        stats = worker.run(stop)
+    finally:
+        worker.close()
     log.info("%s: %d groups, %d obsolete jobs dropped, busy %.1fs, waited %.1fs for weights",
              launch.options.worker_id, stats.jobs, stats.obsolete, stats.busy_s, stats.wait_s)
     return stats

@@ -24,6 +24,7 @@ from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
 from simulate.rewards import Reward, RewardConfig, compute_reward, file_hashes, test_files
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
+from simulate.sandbox_service import SandboxRunner
 from simulate.tasks import Task
 from simulate.tools import (
     SOLUTION_FILE,
@@ -37,9 +38,12 @@ SYSTEM_PROMPT = "Tools: apply_edit or write_file solution.py, run_tests, finish.
 
 
 class SandboxCache:
-    """Thread-safe memo of sandbox results keyed by the job's code, tests and files."""
+    """Thread-safe memo of sandbox results keyed by the job's code, tests and files. `runner`
+    runs a miss: the local sandbox by default, or the sandbox fleet
+    (`simulate.sandbox_service.sandbox_runner`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, runner: SandboxRunner = run_sandboxed) -> None:
+        self.runner = runner
         self._results: dict[str, SandboxResult] = {}
         self._lock = threading.Lock()
         self.hits = 0
@@ -51,7 +55,7 @@ class SandboxCache:
             if key in self._results:
                 self.hits += 1
                 return self._results[key]
-        result = run_sandboxed(job)
+        result = self.runner(job)
         with self._lock:
             self.misses += 1
             self._results[key] = result

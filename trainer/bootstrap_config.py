@@ -79,6 +79,9 @@ class BootstrapSettings(BaseModel):
     # keys/values of recent sequences kept per engine (2 KB a token for the default model):
     # later turns and a group's G copies of a prompt prefill only new tokens. 0: off
     prefix_cache_tokens: int = Field(default=32768, ge=0)
+    # tool calls and scoring as the Celery sandbox task on the sandbox fleet behind this broker
+    # (redis://…; `celery worker -Q flywheel-sandbox` hosts); None: the local sandbox
+    sandbox_url: str | None = None
 
     @model_validator(mode="after")
     def _dual_clip_above_one(self) -> BootstrapSettings:
@@ -103,7 +106,8 @@ class BootstrapSettings(BaseModel):
         return WorkerOptions(worker_id=worker_id, groups_in_flight=self.groups_in_flight,
                              torch_threads=self.torch_threads,
                              prefix_cache_tokens=self.prefix_cache_tokens,
-                             batch_invariant=batch_invariant, seed=self.seed)
+                             batch_invariant=batch_invariant, seed=self.seed,
+                             sandbox_url=self.sandbox_url)
 
     @property
     def staleness(self) -> int:

@@ -330,10 +330,9 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                   world: World | None = None, trackers: TrackerSettings | None = None,
                   kafka: KafkaConfig | None = None) -> dict[str, Any]:
     """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
-    `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops (the
-    engines are copies of the policy's model, so they inherit the switch). Over the ranks of
-    `world` the policy is sharded; the leader runs everything else (tasks, rollout workers,
-    evals, files) and the others follow its training phases, then return {}. `trackers`:
+    `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops. Over
+    the ranks of `world` the policy is sharded; the leader runs everything else (tasks,
+    rollout workers, evals, files), the others follow its training, then return {}. `trackers`:
     where step metrics go besides metrics.jsonl (default: TensorBoard under run_dir). `kafka`:
     the fleet's broker (default: an embedded one for the run)."""
     torch.set_num_threads(cfg.torch_threads)
@@ -354,6 +353,7 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
 def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
                progress: bool, trackers: TrackerSettings, kafka: KafkaConfig | None,
                batch_invariant: bool) -> dict[str, Any]:
+    from simulate.sandbox_service import sandbox_runner
     from simulate.tasks import build_task_source
     from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
 
@@ -363,7 +363,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
     train, held_out = source.split("train"), source.split("held_out")
     random.Random(cfg.seed).shuffle(held_out)
     mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), progress=progress)
-    cache = SandboxCache()
+    cache = SandboxCache(sandbox_runner(cfg.sandbox_url))
     eval_engine = make_engine(policy, cfg, seed=cfg.seed)
     tracked = build_trackers(trackers, "bootstrap", run_dir,
                              params=cfg.model_dump(mode="json", exclude={"tasks"}))

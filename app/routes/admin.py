@@ -26,4 +26,5 @@ async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
         feedback_accepted=services.counters.feedback_accepted,
         feedback_duplicates=services.counters.feedback_duplicates,
         replica=services.replica.status() if services.replica is not None else None,
-        trainer=trainer_status(services))
+        trainer=trainer_status(services),
+        scavenger=services.scavenger.status() if services.scavenger is not None else None)

@@ -21,6 +21,7 @@ from simulate.sandbox import SandboxJob, SandboxResult
 from tests.conftest import require_service
 from tests.trainer.test_release import make_checkpoint
 from trainer.release import Release
+from trainer.release_config import HeldOutLossEval
 
 pytestmark = pytest.mark.integration
 REDIS = "redis://127.0.0.1:6379/0"
@@ -33,8 +34,7 @@ def test_worker_on_redis_runs_sandbox_and_release(settings: Settings, tmp_path: 
 
     settings = settings.model_copy(update={
         "celery_broker_url": REDIS, "release": settings.release.model_copy(update={
-            "eval": settings.release.eval.model_copy(update={"sequences": 2,
-                                                             "seq_len": 64})})})
+            "eval": HeldOutLossEval(sequences=2, seq_len=64)})})
     celery = make_celery(settings)
     assert celery.conf.result_backend == REDIS
     celery.conf.task_default_queue = f"flywheel-test-{uuid.uuid4().hex[:8]}"  # test-private
@@ -57,3 +57,37 @@ def test_worker_on_redis_runs_sandbox_and_release(settings: Settings, tmp_path: 
     events = read_all(settings.kafka_config(settings.kafka_bootstrap or ""),
                       settings.topics.releases, ReleasePublished)
     assert sorted((e.version, e.kind) for e in events) == [(0, "snapshot"), (1, "delta")]
+
+
+def test_rollout_tool_calls_run_on_the_sandbox_fleet(tmp_path: Path) -> None:
+    """An episode's `run_tests` and its score go to a sandbox worker over Redis (its own
+    queue, as `celery worker -Q flywheel-sandbox` hosts take them); with nobody on the queue
+    the call fails with a clear error instead of a verdict."""
+    require_service("Redis", "127.0.0.1", 6379)
+    from celery.contrib.testing.worker import start_worker
+
+    from simulate.rollouts import SandboxCache, TaskEnvironment
+    from simulate.sandbox_service import CelerySandbox, SandboxServiceError
+    from simulate.tasks import BuiltinTaskSource
+
+    task = BuiltinTaskSource(held_out_fraction=0.0).tasks()[0]
+    queue = f"flywheel-sandbox-test-{uuid.uuid4().hex[:8]}"
+    unanswered = CelerySandbox(REDIS, queue=f"{queue}-nobody", timeout_s=2)
+    with pytest.raises(SandboxServiceError, match="nobody"):
+        unanswered(task.sandbox_job(task.canonical_solution))
+    unanswered.close()
+
+    sandbox_host = make_celery(Settings(data_dir=tmp_path / "sandbox-host",
+                                        celery_broker_url=REDIS))
+    runner = CelerySandbox(REDIS, queue=queue)
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache(runner))
+    with start_worker(sandbox_host, pool="solo", perform_ping_check=False, queues=[queue],
+                      shutdown_timeout=30):
+        obs, _ = env.step(f"<tool>write_file solution.py\n{task.prompt}"
+                          f"{task.canonical_solution}</tool>")
+        assert "wrote" in obs
+        obs, _ = env.step("<tool>run_tests</tool>")
+        assert obs.startswith("passed"), obs
+        assert env.step("<tool>finish</tool>")[1] and env.reward().value == 1.0
+    assert env.cache.misses >= 1
+    runner.close()

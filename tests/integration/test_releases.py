@@ -27,6 +27,7 @@ from kernels.delta.store import artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from tests.trainer.test_release import make_checkpoint
+from trainer.release_config import HeldOutLossEval
 from trainer.release_weights import load_model
 
 pytestmark = pytest.mark.integration
@@ -100,8 +101,7 @@ def release_candidate(http: httpx.Client, model_dir: Path, ckpt: Path, *, seed: 
 def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: Path,
                                                  model_dir: Path) -> None:
     settings = settings.model_copy(update={"release": settings.release.model_copy(update={
-        "snapshot_every": 3, "eval": settings.release.eval.model_copy(update={
-            "sequences": 2, "seq_len": 64})})})
+        "snapshot_every": 3, "eval": HeldOutLossEval(sequences=2, seq_len=64)})})
     admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url,
                                                         timeout=60, headers=admin) as http:
