@@ -26,8 +26,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.servers import ROOT, flywheel_up
-from ingest.broker import EmbeddedBroker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.servers import ROOT, flywheel_up  # noqa: E402
+from ingest.broker import EmbeddedBroker  # noqa: E402
 
 ADMIN = {"Authorization": "Bearer flywheel-admin"}
 
