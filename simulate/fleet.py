@@ -135,13 +135,16 @@ class FleetWorker:
         if join:
             self.join()
 
-    def join(self) -> None:
-        """Become a member of the workers' group (a share of the jobs topic's partitions)."""
+    def join(self, *, instance_id: str | None = None) -> None:
+        """Become a member of the workers' group (a share of the jobs topic's partitions).
+        With `instance_id` (Kafka's static membership) `leave` sends no LeaveGroup: the
+        member's partitions move when its session expires, as when a worker dies."""
         jobs = self.kafka.topics.rollout_jobs
+        static = {"group_instance_id": instance_id} if instance_id else {}
         self._jobs = EventConsumer(
             self.kafka, group_id=self.options.group_id or f"{jobs}-workers",
             types={jobs: RolloutJob}, dlq=self._producer, name=self.options.worker_id,
-            max_poll_records=self.options.groups_in_flight, fetch_max_wait_ms=50)
+            max_poll_records=self.options.groups_in_flight, fetch_max_wait_ms=50, **static)
 
     def leave(self) -> None:
         """Leave the group: the jobs taken but not committed go to the other members."""

@@ -13,6 +13,12 @@ policy store and following the `policy` topic): never the served release. It
    nothing, and leaves the group, so its jobs go to the other workers after the rebalance;
 4. goes back to 1.
 
+It leaves as a worker that died does: it joins with a fresh static-membership id each time
+and sends no LeaveGroup, so its partitions move when its session expires (6 s embedded, 45 s
+on Kafka by default). On the embedded Tansu broker a LeaveGroup that arrives while another
+member's join is in flight leaves that member waiting for an assignment indefinitely
+(measured: 40 s and counting), which would stall the whole bootstrap.
+
     scavenger = Scavenger(live, WorkerLaunch(kafka=..., store_url=..., options=...),
                           ScavengeSettings(enabled=True, store_url=...)).start()
     scavenger.status(); scavenger.stop()
@@ -94,7 +100,7 @@ class Scavenger:
                 worker = self._worker or self._start_worker()
                 if worker is None or not self.quiet():  # users came while the copy loaded
                     continue
-                worker.join()
+                worker.join(instance_id=f"{self.launch.options.worker_id}-{self.joins}")
                 self._member, self.joins = True, self.joins + 1
                 log.info("%s: replica quiet, scavenging", self.launch.options.worker_id)
                 worker.run(self._stop, preempt=self.live.busy)
