@@ -197,7 +197,7 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
 
 
 def cmd_rollout_worker(args: argparse.Namespace) -> int:
-    from simulate.fleet import WorkerLaunch, run_worker
+    from simulate.fleet import WorkerLaunch, host_worker_id, run_worker
 
     settings = _settings(args)
     bootstrap = args.kafka or settings.kafka_bootstrap
@@ -211,10 +211,7 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
         print("flywheel rollout-worker: give the bootstrap's policy store (--store or "
               "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)", file=sys.stderr)
         return 2
-    import os
-    import socket
-
-    options = cfg.worker_options(args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+    options = cfg.worker_options(args.worker_id or host_worker_id(),
                                  batch_invariant=settings.batch_invariant)
     logging.getLogger("simulate").setLevel(logging.INFO)
     logging.getLogger("serving").setLevel(logging.INFO)

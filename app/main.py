@@ -84,17 +84,14 @@ def start_release_follower(services: Services) -> None:
 
 def start_scavenger(services: Services) -> None:
     """Off-peak rollouts for the bootstrap on this replica's cores (simulate/scavenge.py)."""
-    import os
-    import socket
-
-    from simulate.fleet import WorkerLaunch
+    from simulate.fleet import WorkerLaunch, host_worker_id
     from simulate.scavenge import Scavenger
 
     settings, scavenge = services.settings, services.settings.scavenge
     if scavenge.store_url is None:
         raise RuntimeError("FLYWHEEL_SCAVENGE__STORE_URL: the bootstrap's policy store")
     options = settings.bootstrap.worker_options(
-        f"{socket.gethostname()}-{os.getpid()}-scavenger",
+        f"{host_worker_id()}-scavenger",
         batch_invariant=settings.batch_invariant).model_copy(
         update={"groups_in_flight": scavenge.groups_in_flight})
     kafka = (settings.kafka_config(scavenge.kafka_bootstrap) if scavenge.kafka_bootstrap

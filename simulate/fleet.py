@@ -91,6 +91,26 @@ class WorkerStats:
     preempted: int = 0  # jobs given back unmade (a scavenging replica's users came back)
 
 
+def host_worker_id() -> str:
+    """A worker id unique to this process: `<hostname>-<pid>`."""
+    import os
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def wait_for_snapshot(store: ArtifactStore, *, timeout_s: float,
+                      stop: threading.Event | None = None) -> bool:
+    """Until the store holds a full policy snapshot (a worker may start before the bootstrap
+    has published); False when `timeout_s` passed or `stop` was set first."""
+    deadline = time.monotonic() + timeout_s
+    stop = stop or threading.Event()
+    while not any(r.kind == "snapshot" for r in store.releases()):
+        if time.monotonic() > deadline or stop.wait(0.5):
+            return False
+    return True
+
+
 def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = False
                 ) -> tuple[Any, Any, ModelVersion]:
     """The policy model, its tokenizer and version, from the store's model files and its
@@ -162,12 +182,9 @@ class FleetWorker:
         if own_process:
             torch.set_num_threads(options.torch_threads)
             torch.manual_seed(options.seed)
-        deadline = time.monotonic() + options.start_timeout_s
-        while not any(r.kind == "snapshot" for r in store.releases()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no policy snapshot in {store.config} after "
-                                   f"{options.start_timeout_s:.0f}s: is the bootstrap running?")
-            time.sleep(0.5)  # a worker may start before the bootstrap has published
+        if not wait_for_snapshot(store, timeout_s=options.start_timeout_s):
+            raise TimeoutError(f"no policy snapshot in {store.config} after "
+                               f"{options.start_timeout_s:.0f}s: is the bootstrap running?")
         with tempfile.TemporaryDirectory(prefix="flywheel-policy-") as tmp:
             model, tokenizer, version = load_policy(store, Path(tmp),
                                                     batch_invariant=options.batch_invariant)

@@ -120,12 +120,11 @@ class Scavenger:
         """Load the second copy of the weights (waiting for the bootstrap's first snapshot
         without blocking `stop`)."""
         from kernels.delta.store import artifact_store_config, build_artifact_store
-        from simulate.fleet import FleetWorker
+        from simulate.fleet import FleetWorker, wait_for_snapshot
 
         store = build_artifact_store(artifact_store_config(self.launch.store_url))
-        while not any(r.kind == "snapshot" for r in store.releases()):
-            if self._stop.wait(1.0):
-                return None
+        if not wait_for_snapshot(store, timeout_s=float("inf"), stop=self._stop):
+            return None
         started = time.monotonic()
         self._worker = FleetWorker.start(self.launch.kafka, store, self.launch.options,
                                          join=False, own_process=False)

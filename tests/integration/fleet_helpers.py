@@ -8,8 +8,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ingest.config import KafkaConfig
 
@@ -64,3 +66,44 @@ def assert_each_job_ended_once(jobs_path: Path, *, trained_slots: int, steps: in
     assert lost, f"worker {killed} was killed before delivering anything it had started"
     assert all(admitted.get(job) == survivor for job in lost if job in admitted), (
         lost, admitted)
+
+
+class Training:
+    """GRPO on a skilled model's tasks (`skilled_model`: `tasks.jsonl` beside it) over the
+    fleet on `kafka`, with no workers of its own, on a thread: `thread.start()`, then
+    `finish()` for the run."""
+
+    def __init__(self, kafka: KafkaConfig, model_dir: Path, store: Path, run_dir: Path, *,
+                 max_steps: int, time_budget_s: float) -> None:
+        from simulate.tasks import JsonlTasksConfig, build_task_source
+        from trainer.bootstrap_config import BootstrapSettings
+        from trainer.policy import Policy
+
+        self.kafka, self.run_dir = kafka, run_dir
+        self.cfg = BootstrapSettings(
+            group_size=4, groups_per_step=4, groups_in_flight=2, max_tokens=64, max_turns=2,
+            max_steps=max_steps, time_budget_s=time_budget_s, rollout_workers=0,
+            policy_store_url=str(store), lr=1e-3)
+        self.tasks = build_task_source(JsonlTasksConfig(path=model_dir / "tasks.jsonl",
+                                                        held_out_fraction=0.0)).tasks()
+        self.policy = Policy.load(model_dir, lr=self.cfg.lr)
+        self.result: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._train, daemon=True)
+
+    def _train(self) -> None:
+        from simulate.rollouts import SandboxCache
+        from trainer.offline import run_grpo
+
+        try:
+            self.result["run"] = run_grpo(self.policy, self.cfg, self.tasks, [],
+                                          cache=SandboxCache(), kafka=self.kafka,
+                                          work_dir=self.run_dir, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+            self.result["error"] = exc
+
+    def finish(self, timeout_s: float) -> Any:
+        """The run (`trainer.offline.GrpoRun`), once the thread ended without an error."""
+        self.thread.join(timeout=timeout_s)
+        assert not self.thread.is_alive(), "the bootstrap did not finish"
+        assert "error" not in self.result, self.result.get("error")
+        return self.result["run"]
