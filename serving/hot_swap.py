@@ -8,6 +8,9 @@ One delta step (the usual release, or a rollback: the same delta backwards) is p
 against the live weights, read-only, and committed as the changed bit patterns: the pause is
 that write. A longer chain or a snapshot (a replica far behind) is applied to a copy and
 swapped in whole. Any failed check raises `DeltaError` before a live weight is touched.
+
+`swap` does both at once; a caller that knows the next version early (a rollout worker, while
+it makes a batch on the current one) can `prepare_swap` ahead and `commit_swap` later.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -29,6 +33,7 @@ Weights = MutableMapping[str, torch.Tensor]
 Commit = Callable[[Weights], object]
 
 
+@runtime_checkable
 class InPlaceEngine(Protocol):
     """An engine whose weights live in this process (serving/torch_engine.py)."""
 
@@ -78,13 +83,44 @@ def live_weights(engine: InPlaceEngine, timeout_s: float = 120.0) -> Weights:
         lambda model: model.state_dict()).result(timeout=timeout_s)
 
 
+@dataclass(frozen=True)
+class PreparedSwap:
+    """A verified commit from `base` to `version`, ready to be written in between steps."""
+
+    base: ModelVersion  # the live weights it was prepared against
+    version: ModelVersion
+    steps: int
+    prepare_s: float
+    write: Commit  # run on the engine thread, between decode steps
+    live: Weights
+
+
+def prepare_swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVersion, *,
+                 live: Weights | None = None, timeout_s: float = 120.0) -> PreparedSwap:
+    """Plan and verify `version` against the live weights while the engine runs on (they are
+    only read). `live`: the engine's state dict if the caller holds it already."""
+    started = time.perf_counter()
+    base = engine.version
+    live = live_weights(engine, timeout_s) if live is None else live
+    steps = plan(store, base, version.number)
+    commit_fn = prepare_commit(store, live, steps, version.sha256)
+    return PreparedSwap(base, version, len(steps), time.perf_counter() - started, commit_fn,
+                        live)
+
+
+def commit_swap(engine: InPlaceEngine, prepared: PreparedSwap, *,
+                timeout_s: float = 120.0) -> SwapRecord:
+    """Write a prepared swap in between decode steps (requests in flight finish first)."""
+    if engine.version != prepared.base:
+        raise DeltaVerificationError(f"prepared against v{prepared.base.number}, the engine "
+                                     f"is on v{engine.version.number}")
+    timing = engine.swap_weights(prepared.write, prepared.version).result(timeout=timeout_s)
+    return SwapRecord(prepared.version.number, prepared.version.sha256, prepared.steps,
+                      prepared.prepare_s, timing.paused_s, timing.copy_s,
+                      state_dict_sha256(prepared.live), time.time())
+
+
 def swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVersion, *,
          timeout_s: float = 120.0) -> SwapRecord:
-    started = time.perf_counter()
-    live = live_weights(engine, timeout_s)
-    steps = plan(store, engine.version, version.number)
-    commit_fn = prepare_commit(store, live, steps, version.sha256)
-    prepare_s = time.perf_counter() - started
-    timing = engine.swap_weights(commit_fn, version).result(timeout=timeout_s)
-    return SwapRecord(version.number, version.sha256, len(steps), prepare_s, timing.paused_s,
-                      timing.copy_s, state_dict_sha256(live), time.time())
+    return commit_swap(engine, prepare_swap(engine, store, version, timeout_s=timeout_s),
+                       timeout_s=timeout_s)

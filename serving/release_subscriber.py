@@ -9,7 +9,9 @@ is refused, logged and recorded, and the replica keeps serving what it had.
 
 A rollout worker follows the bootstrap's policy versions with the same class on the `policy`
 topic, with `auto_swap=False`: it calls `catch_up()` between batches of groups, so each batch
-is made by one version.
+is made by one version. With `prepare_ahead` (an engine that holds its weights in this
+process), the subscriber's thread prepares and verifies the newest announcement while the
+batch runs, so `catch_up()` only writes it in.
 
     subscriber = ReleaseSubscriber(engine, kafka, store)
     subscriber.start(); ...; subscriber.status(); subscriber.stop()
@@ -32,6 +34,14 @@ from ingest.log import from_beginning
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion, SwapRecord
+from serving.hot_swap import (
+    InPlaceEngine,
+    PreparedSwap,
+    Weights,
+    commit_swap,
+    live_weights,
+    prepare_swap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +49,20 @@ log = logging.getLogger(__name__)
 class ReleaseSubscriber:
     def __init__(self, engine: Engine, kafka: KafkaConfig, store: ArtifactStore, *,
                  poll_timeout_ms: int = 200, topic: str | None = None,
-                 auto_swap: bool = True) -> None:
+                 auto_swap: bool = True, prepare_ahead: bool = False) -> None:
+        self._in_place = engine if isinstance(engine, InPlaceEngine) else None
+        if prepare_ahead and self._in_place is None:
+            raise ValueError("prepare_ahead needs an engine whose weights live in this process")
         self.engine = engine
         self.kafka = kafka
         self.store = store
         self.poll_timeout_ms = poll_timeout_ms
         self.topic = topic or kafka.topics.releases
         self.auto_swap = auto_swap
+        self.prepare_ahead = prepare_ahead
+        self._prepared: PreparedSwap | None = None
+        self._unprepared: ModelVersion | None = None  # prepare ahead failed: catch_up retries
+        self._live: Weights | None = None  # the engine's state dict, once prepared ahead
         self._swap_lock = threading.Lock()
         self._newest: ReleasePublished | None = None
         self._handled: tuple[int, str] | None = None  # (version, published_at) last acted on
@@ -69,6 +86,12 @@ class ReleaseSubscriber:
         """The version of the newest announcement read so far (None: none yet)."""
         newest = self._newest
         return None if newest is None else newest.version
+
+    @property
+    def prepared_version(self) -> int | None:
+        """The version prepared ahead, waiting for `catch_up` to write it in (None: none)."""
+        prepared = self._prepared
+        return None if prepared is None else prepared.version.number
 
     def catch_up(self, *, retry: bool = False) -> SwapRecord | None:
         """Swap to the newest announcement now, if not done yet (with `auto_swap=False`, the
@@ -101,6 +124,8 @@ class ReleaseSubscriber:
                     self.ready.set()
                 if self.auto_swap:
                     self._follow()
+                elif self.prepare_ahead:
+                    self._prepare_newest()
         finally:
             consumer.close()
 
@@ -112,6 +137,28 @@ class ReleaseSubscriber:
                 except EventDecodeError as exc:
                     log.error("%s@%d:%d undecodable, skipped: %s", self.topic,
                               rec.partition, rec.offset, exc)
+
+    def _prepare_newest(self) -> None:
+        """Prepare the newest announcement against the live weights (read only, while the
+        owner's batch runs); `catch_up` then commits it. A failure here is left to
+        `catch_up`'s swap, which refuses and reports it."""
+        target = self._newest
+        if target is None:
+            return
+        want = ModelVersion(target.version, target.sha256)
+        ready = self._prepared is not None and self._prepared.version == want
+        if ready or want in (self.engine.version, self._unprepared):
+            return
+        assert self._in_place is not None  # checked in __init__
+        with self._swap_lock:
+            try:
+                if self._live is None:
+                    self._live = live_weights(self._in_place)
+                self._prepared = prepare_swap(self._in_place, self.store, want, live=self._live)
+            except (DeltaError, ArtifactNotFoundError, OSError) as exc:
+                log.warning("v%d not prepared ahead (catch_up will swap it): %s",
+                            want.number, exc)
+                self._prepared, self._unprepared = None, want
 
     def _follow(self) -> SwapRecord | None:
         with self._swap_lock:
@@ -125,8 +172,14 @@ class ReleaseSubscriber:
         if (target.version, target.sha256) == (self.engine.version.number,
                                                self.engine.version.sha256):
             return None
+        want = ModelVersion(target.version, target.sha256)
+        prepared, self._prepared = self._prepared, None
         try:
-            record = self.engine.swap_to(self.store, ModelVersion(target.version, target.sha256))
+            if (prepared is not None and self._in_place is not None
+                    and prepared.version == want and prepared.base == self.engine.version):
+                record = commit_swap(self._in_place, prepared)
+            else:
+                record = self.engine.swap_to(self.store, want)
         except (DeltaError, ArtifactNotFoundError, EngineError, OSError) as exc:
             log.error("refused release v%d (%s); still serving v%d: %s", target.version,
                       target.kind, self.engine.version.number, exc)

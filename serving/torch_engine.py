@@ -169,6 +169,7 @@ class TorchEngine:
         """Run `fn(model)` on the engine thread between two decode steps (e.g. a hot-swap)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls.put((fn, future))
+        self._inbox.put(None)  # an idle engine thread waits on the inbox: wake it
         return future
 
     def set_version(self, version: ModelVersion) -> None:
@@ -184,6 +185,7 @@ class TorchEngine:
         """
         future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
         self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
+        self._inbox.put(None)  # wake an idle engine thread
         return future
 
     def swap_to(self, store: ArtifactStore, version: ModelVersion, *,

@@ -5,7 +5,8 @@
 
 1. builds its model from the policy store: the model's config and tokenizer (`model/`) and the
    newest full snapshot, then follows the `policy` topic with the `ReleaseSubscriber` serving
-   replicas use for releases (same plan, verify, swap in place; a tampered delta is refused);
+   replicas use for releases (same plan, verify, swap in place; a tampered delta is refused),
+   which prepares each new version while a batch is made on the one before;
 2. takes `RolloutJob`s as a member of one consumer group (jobs are spread over the group's
    members by partition; a member that dies has its partitions, and its uncommitted jobs,
    handed to the others after the group rebalances);
@@ -149,7 +150,8 @@ class FleetWorker:
         self.cache = cache or SandboxCache(sandbox_runner(options.sandbox_url))
         self.stats = WorkerStats()
         self.policy = ReleaseSubscriber(engine, kafka, store, topic=kafka.topics.policy,
-                                        auto_swap=False, poll_timeout_ms=50).start()
+                                        auto_swap=False, prepare_ahead=True,
+                                        poll_timeout_ms=50).start()
         self._producer = EventProducer(kafka, client_id=options.worker_id)
         self._jobs: EventConsumer | None = None
         if join:
@@ -178,6 +180,9 @@ class FleetWorker:
         """Load the policy and start following it. `own_process`: the worker owns this
         process and sets its torch threads and seed (False inside a serving replica)."""
         import torch
+
+        # the model code before the wait: a worker started early is ready when the snapshot is
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
         if own_process:
             torch.set_num_threads(options.torch_threads)
@@ -232,6 +237,7 @@ class FleetWorker:
                 log.info("%s: preempted, handed back %s", self.options.worker_id,
                          ",".join(j.job_id for j in live))
                 return
+            log.info("%s: made in %.2fs", self.options.worker_id, time.monotonic() - start)
             self._producer.deliver(self.kafka.topics.rollouts,
                                    [(g.group_id, encode(g)) for g in groups],
                                    timeout_s=self.kafka.delivery_timeout_ms / 1000)

@@ -14,28 +14,34 @@
   discarded with the reason and its slot issued again as a new job. The ledger says how
   every job ended.
 
-    publisher = PolicyPublisher(store, kafka).start(version, weights, model_files)
-    fleet = RolloutFleet(kafka, cfg, sampler, publisher, first_step=version)
-    groups = fleet.take_step(step)     # issues jobs as versions are announced; blocks
-    publisher.publish(version + 1, new_weights)
+    with open_local_fleet(cfg, kafka=None, work_dir=run_dir) as local:  # broker, workers
+        ...  # mid-training: the workers start meanwhile, then wait for the first snapshot
+        publisher = PolicyPublisher(store, local.kafka).start(version, weights, model_files)
+        fleet = RolloutFleet(local.kafka, cfg, sampler, publisher, first_step=version)
+        groups = fleet.take_step(step)     # issues jobs as versions are announced; blocks
+        publisher.publish(version + 1, new_weights)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ingest.broker import open_broker
 from ingest.config import KafkaConfig
 from ingest.events import (
     DeadLetter,
@@ -48,17 +54,53 @@ from ingest.events import (
     decode,
     encode,
 )
-from ingest.log import EventProducer, from_beginning
+from ingest.log import EventProducer, ensure_topics, from_beginning
 from kernels.delta import encode_delta, encode_snapshot
 from kernels.delta.store import ArtifactStore, release_prefix
 from kernels.weights import state_dict_sha256
-from simulate.fleet import MODEL_PREFIX
+from simulate.fleet import MODEL_PREFIX, LocalWorkers
 from trainer.bootstrap_config import BootstrapSettings
 from trainer.task_sampler import TaskSampler
 
 log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class LocalFleet:
+    """A run's side of the fleet that needs no policy yet: the broker, the policy store's URL
+    and the worker processes of this host."""
+
+    kafka: KafkaConfig
+    work_dir: Path
+    store_url: str
+    workers: LocalWorkers
+
+
+@contextlib.contextmanager
+def open_local_fleet(cfg: BootstrapSettings, *, kafka: KafkaConfig | None,
+                     work_dir: Path | None, batch_invariant: bool = False
+                     ) -> Iterator[LocalFleet]:
+    """Over `kafka` (None: an embedded broker, for the run), start `cfg.rollout_workers`
+    worker processes, which wait for the run's first policy snapshot in the store
+    (`cfg.policy_store_url`, or `work_dir`/policy, removed at the end). Opened before
+    mid-training, the workers' start (interpreter, torch, model code) overlaps it."""
+    with contextlib.ExitStack() as stack:
+        if kafka is None:
+            kafka = KafkaConfig(bootstrap=stack.enter_context(open_broker(None)))
+        ensure_topics(kafka)
+        if work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        store_url = cfg.policy_store_url or str(work_dir / "policy")
+        if cfg.policy_store_url is None:  # the run's own, for its workers only
+            stack.callback(shutil.rmtree, work_dir / "policy", ignore_errors=True)
+        workers = LocalWorkers(cfg.rollout_workers, kafka, store_url,
+                               cfg.worker_options("worker", batch_invariant=batch_invariant),
+                               work_dir)
+        stack.callback(workers.stop)
+        yield LocalFleet(kafka, work_dir, store_url, workers)
 
 
 class FleetError(RuntimeError):

@@ -15,8 +15,6 @@ import contextlib
 import json
 import logging
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +22,10 @@ from typing import Any
 
 import torch
 
-from ingest.broker import open_broker
 from ingest.config import KafkaConfig
 from ingest.events import RolloutGroup
-from ingest.log import ensure_topics
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from serving.torch_engine import TorchEngine
-from simulate.fleet import LocalWorkers
 from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
@@ -43,7 +38,13 @@ from simulate.rollouts import (
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
 from trainer.distributed import World
-from trainer.fleet import PolicyPublisher, RolloutFleet, model_files
+from trainer.fleet import (
+    LocalFleet,
+    PolicyPublisher,
+    RolloutFleet,
+    model_files,
+    open_local_fleet,
+)
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
 from trainer.local_engine import build_harness, load_weights, make_engine
 from trainer.midtrain import cosine_factor
@@ -203,30 +204,21 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
              *, cache: SandboxCache, metrics_path: Path | None = None,
              eval_engine: TorchEngine | None = None, progress: bool = True,
              trackers: Trackers | None = None, kafka: KafkaConfig | None = None,
-             work_dir: Path | None = None, batch_invariant: bool = False) -> GrpoRun:
+             work_dir: Path | None = None, batch_invariant: bool = False,
+             local: LocalFleet | None = None) -> GrpoRun:
     """GRPO on the rollout fleet until `max_steps` or `time_budget_s`; evaluates every
-    `eval_every`. Over `kafka` (default: an embedded broker for the run), with
-    `cfg.rollout_workers` worker processes of its own plus any `flywheel rollout-worker`
-    that joins; the policy store is `cfg.policy_store_url` (default: `work_dir`/policy, or a
-    temporary directory; removed at the end, unless given)."""
+    `eval_every`. On `local` (default: `open_local_fleet` over `kafka` and `work_dir` for
+    this call), with its worker processes plus any `flywheel rollout-worker` that joins."""
     with contextlib.ExitStack() as stack:
-        if kafka is None:
-            kafka = KafkaConfig(bootstrap=stack.enter_context(open_broker(None)))
-        ensure_topics(kafka)
-        if work_dir is None:
-            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
-        work_dir.mkdir(parents=True, exist_ok=True)
-        store_url = cfg.policy_store_url or str(work_dir / "policy")
-        if cfg.policy_store_url is None:  # the run's own, for its workers only
-            stack.callback(shutil.rmtree, work_dir / "policy", ignore_errors=True)
-        store = build_artifact_store(artifact_store_config(store_url))
+        if local is None:
+            local = stack.enter_context(open_local_fleet(
+                cfg, kafka=kafka, work_dir=work_dir, batch_invariant=batch_invariant))
+        kafka, work_dir = local.kafka, local.work_dir
+        store = build_artifact_store(artifact_store_config(local.store_url))
         publisher = PolicyPublisher(store, kafka).start(
             policy.version, policy.state_dict(), model_files(policy.model, policy.tokenizer))
         stack.callback(publisher.close)
-        workers = LocalWorkers(cfg.rollout_workers, kafka, store_url,
-                               cfg.worker_options("worker", batch_invariant=batch_invariant),
-                               work_dir)
-        stack.callback(workers.stop)
+        workers = local.workers
         fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
                              publisher, first_step=policy.version, steps=cfg.max_steps,
                              health=workers.check)
@@ -342,17 +334,17 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
     if not policy.world.leader:
         policy.follow()
         return {}
-    try:
-        return _bootstrap(policy, cfg, run_dir, progress=progress,
-                          trackers=trackers or TrackerSettings(), kafka=kafka,
-                          batch_invariant=batch_invariant)
+    try:  # the workers start now: their start overlaps mid-training
+        with open_local_fleet(cfg, kafka=kafka, work_dir=run_dir,
+                              batch_invariant=batch_invariant) as local:
+            return _bootstrap(policy, cfg, run_dir, local, progress=progress,
+                              trackers=trackers or TrackerSettings())
     finally:
         policy.finish()
 
 
-def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
-               progress: bool, trackers: TrackerSettings, kafka: KafkaConfig | None,
-               batch_invariant: bool) -> dict[str, Any]:
+def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: LocalFleet, *,
+               progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
     from simulate.sandbox_service import sandbox_runner
     from simulate.tasks import build_task_source
     from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
@@ -372,8 +364,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, *,
         before = pass_rate(start_eval)
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
-                       eval_engine=eval_engine, kafka=kafka, work_dir=run_dir,
-                       batch_invariant=batch_invariant,
+                       eval_engine=eval_engine, local=local,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress,
                        trackers=tracked)
         if not run.evals or run.evals[-1][0] != run.steps:
