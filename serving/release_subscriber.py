@@ -62,7 +62,7 @@ class ReleaseSubscriber:
         self.prepare_ahead = prepare_ahead
         self._prepared: PreparedSwap | None = None
         self._unprepared: ModelVersion | None = None  # prepare ahead failed: catch_up retries
-        self._live: Weights | None = None  # the engine's state dict, once prepared ahead
+        self._live: Weights | None = None  # the engine's state dict (prepare_ahead: at start)
         self._swap_lock = threading.Lock()
         self._newest: ReleasePublished | None = None
         self._handled: tuple[int, str] | None = None  # (version, published_at) last acted on
@@ -74,6 +74,8 @@ class ReleaseSubscriber:
         self.ready = threading.Event()  # set once the topic has been read to its end
 
     def start(self) -> ReleaseSubscriber:
+        if self._in_place is not None and self.prepare_ahead:  # read once, while it is idle
+            self._live = live_weights(self._in_place)
         self._thread.start()
         return self
 
@@ -152,8 +154,6 @@ class ReleaseSubscriber:
         assert self._in_place is not None  # checked in __init__
         with self._swap_lock:
             try:
-                if self._live is None:
-                    self._live = live_weights(self._in_place)
                 self._prepared = prepare_swap(self._in_place, self.store, want, live=self._live)
             except (DeltaError, ArtifactNotFoundError, OSError) as exc:
                 log.warning("v%d not prepared ahead (catch_up will swap it): %s",

@@ -218,10 +218,9 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         publisher = PolicyPublisher(store, kafka).start(
             policy.version, policy.state_dict(), model_files(policy.model, policy.tokenizer))
         stack.callback(publisher.close)
-        workers = local.workers
         fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
                              publisher, first_step=policy.version, steps=cfg.max_steps,
-                             health=workers.check)
+                             health=local.workers.check)
         run = GrpoRun()
         try:
             _train(policy, cfg, fleet, run, held_out, cache=cache, metrics_path=metrics_path,
