@@ -68,8 +68,9 @@ class BootstrapSettings(BaseModel):
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)
     # worker processes the bootstrap starts on this host (simulate/fleet.py); 0: only the
-    # `flywheel rollout-worker`s that join from elsewhere
-    rollout_workers: int = Field(default=1, ge=0)
+    # `flywheel rollout-worker`s that join from elsewhere. Two even on 2 cores: one worker's
+    # sandbox and Python turns leave its engine idle, which the other's fills
+    rollout_workers: int = Field(default=2, ge=0)
     # where policy versions go for the workers (an artifact store URL); None: <run_dir>/policy
     policy_store_url: str | None = None
     groups_in_flight: int = Field(default=4, ge=1)  # per worker, of one step: one decode batch
