@@ -1,6 +1,6 @@
 """`flywheel`: one CLI for every part. `--help` answers without importing torch.
 
-    flywheel init-model [--data-dir D]          build the default tiny Qwen3-MoE + tokenizer
+    flywheel init-model [--large] [--out DIR]   build the default tiny Qwen3-MoE + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
@@ -43,10 +43,12 @@ def stop_on_signals() -> threading.Event:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
+    from trainer.config import TinyMoeSettings
     from trainer.init_model import init_model
 
     settings = _settings(args)
-    out = init_model(settings.model, settings.resolved_model_dir, overwrite=args.overwrite)
+    shape = TinyMoeSettings.large() if args.large else settings.model
+    out = init_model(shape, args.out or settings.resolved_model_dir, overwrite=args.overwrite)
     print(f"model ready in {out}")
     return 0
 
@@ -233,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_common(sub.add_parser("init-model", help="build the default model locally"))
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--large", action="store_true",
+                   help="the same family at ~124M parameters (a speed check where compute "
+                        "matters) instead of FLYWHEEL_MODEL__* (the tiny default)")
+    p.add_argument("--out", type=Path, help="where to write it (default: the model dir)")
     p.set_defaults(func=cmd_init_model)
     p = with_common(sub.add_parser("up", help="start broker + API on this machine"))
     p.add_argument("--port", type=int)

@@ -2,6 +2,7 @@
 the vLLM backend vs vLLM's own OpenAI server.
 
     .venv/bin/python bench/serving.py [--max-tokens 32] [--requests 8,32,64] [--no-vllm]
+                                      [--no-large]
 
 Starts an embedded broker and the API (uvicorn on a thread of this process, the default tiny
 model, session logging on), sends non-streaming chat completions at concurrency 1, 8 and 32,
@@ -16,7 +17,12 @@ size and batch limit), each its own process, under the same load; `ratio_vllm_ba
 the cost of Flywheel's API and logging around vLLM. Then the hot-swap pause: two releases
 published through the admin API while 8 clients keep calling, once on `flywheel up` with each
 backend (`swap_pause_ms`). The torch engine's tokens/s above come from a server in this
-process, sharing its interpreter with the load client.
+process, sharing its interpreter with the load client (`threads`: the engine's torch threads;
+HF `generate` is timed on one thread and on every core, and the faster counts).
+
+Then the same at c=1 and c=32 on a ~124M-parameter model of the same family (`flywheel
+init-model --large`), where compute rather than per-op overhead sets the pace: the `large_`
+keys (`--no-large` skips it).
 Ends with one JSON line: {"bench": "serving", ...}.
 """
 
@@ -26,6 +32,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -114,6 +121,19 @@ def baseline(model_dir: Path, n: int, max_tokens: int) -> tuple[float, list[floa
     return tokens / (time.perf_counter() - started), times
 
 
+def fastest_baseline(model_dir: Path, n: int, max_tokens: int) -> tuple[float, list[float]]:
+    """`baseline` on one thread and on every core: the faster (the engine picks its threads
+    too, serving.config.default_threads)."""
+    import torch
+
+    runs = []
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        runs.append(baseline(model_dir, n, max_tokens))
+        print(f"HF generate on {threads} thread(s): {runs[-1][0]:.1f} tok/s", flush=True)
+    return max(runs, key=lambda run: run[0])
+
+
 def serve(settings: Settings) -> tuple[Any, Any, threading.Thread]:
     import uvicorn
 
@@ -139,6 +159,8 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path)
     parser.add_argument("--no-vllm", dest="vllm", action="store_false",
                         help="skip the vLLM backend and vLLM's own server")
+    parser.add_argument("--no-large", dest="large", action="store_false",
+                        help="skip the ~124M-parameter model")
     args = parser.parse_args()
     counts = dict(zip((1, 8, 32), (int(x) for x in args.requests.split(",")), strict=True))
 
@@ -178,9 +200,14 @@ def main() -> int:
             from app.main import close_services
 
             close_services(services)
-    rate, times = baseline(settings.resolved_model_dir, args.baseline_requests, args.max_tokens)
+    import torch
+
+    result["threads"] = torch.get_num_threads()  # the engine's (serving.config.default_threads)
+    rate, times = fastest_baseline(settings.resolved_model_dir, args.baseline_requests,
+                                   args.max_tokens)
     result["baseline_tokens_per_s"] = {c: round(rate, 1) for c in ("1", "8", "32")}
     result["baseline_p50_ms_c1"] = round(pct(times, 50), 1)
+    result["ratio_c1"] = round(result["tokens_per_s"]["1"] / rate, 2)
     result["ratio_c32"] = round(result["tokens_per_s"]["32"] / rate, 2)
     result["ratio_c32_vs_own_c1"] = round(result["tokens_per_s"]["32"]
                                           / result["tokens_per_s"]["1"], 2)
@@ -188,8 +215,11 @@ def main() -> int:
     print(f"HF generate one by one: {rate:8.1f} tok/s  p50 {pct(times, 50):.1f} ms per request "
           f"(c=1); ratio at c=32: {result['ratio_c32']}x; logging overhead p50 "
           f"{result['logging_overhead_p50'] * 100:+.1f}%")
-    if args.vllm and importlib.util.find_spec("vllm") is not None:
+    use_vllm = args.vllm and importlib.util.find_spec("vllm") is not None
+    if use_vllm:
         vllm_rounds(result, settings.resolved_model_dir, data_dir, counts, args.max_tokens)
+    if args.large:
+        large_rounds(result, data_dir, args.max_tokens, vllm=use_vllm)
     print(json.dumps(result))
     return 0
 
@@ -249,6 +279,33 @@ def vllm_rounds(result: dict[str, Any], model_dir: Path, data_dir: Path,
           f"engine / vLLM server: c=1 {result['ratio_vllm_c1']}x, c=32 "
           f"{result['ratio_vllm_c32']}x; swap pauses (ms) torch {torch_pauses}, vllm "
           f"{vllm_pauses}")
+
+
+def large_rounds(result: dict[str, Any], data_dir: Path, max_tokens: int, *,
+                 vllm: bool) -> None:
+    """c=1 and c=32 on the ~124M model: the torch engine (`flywheel up` in its own process),
+    HF `generate` one by one, and vLLM's server where installed."""
+    from bench.servers import flywheel_up, vllm_server
+    from trainer.config import TinyMoeSettings
+    from trainer.init_model import init_model
+
+    model_dir = init_model(TinyMoeSettings.large(), data_dir / "models" / "large")
+    counts = {1: 4, 32: 32}
+    with flywheel_up(data_dir / "up-large", model_dir) as url:
+        rates = measure("flywheel large", url, counts, max_tokens)
+    rate, _ = fastest_baseline(model_dir, 4, max_tokens)
+    result["large_tokens_per_s"] = rates
+    result["large_baseline_tokens_per_s"] = round(rate, 1)
+    result["large_ratio_c1"] = round(rates["1"] / rate, 2)
+    result["large_ratio_c32"] = round(rates["32"] / rate, 2)
+    print(f"large: HF generate one by one {rate:.1f} tok/s; ratio c=1 "
+          f"{result['large_ratio_c1']}x, c=32 {result['large_ratio_c32']}x", flush=True)
+    if vllm:
+        with vllm_server(model_dir, data_dir / "up-large") as url:
+            server = measure("vllm large", url, counts, max_tokens)
+        result["large_vllm_server_tokens_per_s"] = server
+        result["large_ratio_vllm_c1"] = round(rates["1"] / server["1"], 2)
+        result["large_ratio_vllm_c32"] = round(rates["32"] / server["32"], 2)
 
 
 if __name__ == "__main__":

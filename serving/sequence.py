@@ -23,7 +23,7 @@ from serving.engine import (
     ModelVersion,
     TopLogprobs,
 )
-from serving.sampling import sample_next, top_alternatives
+from serving.sampling import RowSampling, top_alternatives
 
 
 @dataclass(eq=False)
@@ -72,12 +72,16 @@ class EngineSequence:
         with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody waits
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
-    def sample(self, logits: torch.Tensor, version: ModelVersion) -> bool:
-        """Sample the next token from `logits` (V,); True when that finished the sequence."""
+    @property
+    def sampling(self) -> RowSampling:
+        return RowSampling(self.request.temperature, self.request.top_p, self.generator)
+
+    def accept(self, token: int, logprob: float, logprobs: torch.Tensor,
+               version: ModelVersion) -> bool:
+        """Take the token sampled for it (`serving.sampling.sample_rows`, `logprobs` (V,) the
+        distribution it came from); True when that finished the sequence."""
         req = self.request
-        token, logprob, dist = sample_next(logits, temperature=req.temperature, top_p=req.top_p,
-                                           generator=self.generator)
-        tops = top_alternatives(dist, req.top_logprobs)
+        tops = top_alternatives(logprobs, req.top_logprobs)
         self.tokens.append(token)
         self.logprobs.append(logprob)
         if req.top_logprobs:

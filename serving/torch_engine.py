@@ -4,9 +4,9 @@ All model work runs on one engine thread, so requests never fight over the weigh
 asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
 requests (prefilled together in one padded forward, or each alone in batch-invariant mode, then
 joined to the batch), run one batched decode step over every active row
-(`serving.batching.PaddedKVBatch`), sample each row with its own seeded generator
-(serving/sequence.py), let finished or cancelled rows leave. A request's tokens and logprobs
-therefore do not depend on what else is in the batch beyond float tolerance (bitwise with
+(`serving.batching.PaddedKVBatch`), sample every row at once, each from its own seeded
+generator (serving/sampling.py), let finished or cancelled rows leave. A request's tokens and
+logprobs therefore do not depend on what else is in the batch beyond float tolerance (bitwise with
 `batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
 token with kernels/moe_replay. With `prefix_cache_tokens`, a prompt that starts with a
 sequence computed recently (the previous turn of a conversation, the same prompt sampled again)
@@ -26,7 +26,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
 from serving.batching import PaddedKVBatch, joined_row_kv, prefill_inputs
+from serving.config import default_threads
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -49,6 +50,7 @@ from serving.engine import (
 )
 from serving.hot_swap import swap
 from serving.prefix_cache import PrefixCache
+from serving.sampling import sample_rows
 from serving.sequence import EngineSequence
 
 log = logging.getLogger(__name__)
@@ -60,18 +62,6 @@ class _Swap:
     version: ModelVersion
     future: concurrent.futures.Future[SwapTiming]
     requested_at: float
-
-
-@contextlib.contextmanager
-def _route_capture(model: Any) -> Iterator[Any]:
-    """kernels.moe_replay's recorder, or None for a model without top-k MoE routers."""
-    from kernels.moe_replay import capture_routes, find_routers
-
-    if not find_routers(model):
-        yield None
-        return
-    with capture_routes(model) as recorder:
-        yield recorder
 
 
 class TorchEngine:
@@ -118,12 +108,11 @@ class TorchEngine:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        if threads:
-            torch.set_num_threads(threads)
         if not (model_dir / "config.json").exists():
             raise EngineError(f"no Hugging Face model in {model_dir} (run `flywheel init-model`)")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        torch.set_num_threads(threads or default_threads(model))
         return cls(model, tokenizer, version_number=version_number, seed=seed,
                    max_batch=max_batch, batch_invariant=batch_invariant,
                    prefix_cache_tokens=prefix_cache_tokens)
@@ -203,7 +192,11 @@ class TorchEngine:
 
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode(), _route_capture(self.model) as recorder:
+        from kernels.moe_replay import capture_routes, find_routers
+
+        routed = find_routers(self.model)  # None: no MoE routes to capture
+        capture = capture_routes(self.model) if routed else contextlib.nullcontext()
+        with torch.inference_mode(), capture as recorder:
             while not self._closed.is_set():
                 self._run_calls()
                 if not self._swap_when_drained():
@@ -340,7 +333,8 @@ class TorchEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, [(layer.keys, layer.values) for layer in row.layers],
                                      torch.cat(seq.routes) if seq.routes else None)
-        return not seq.sample(logits, self._version)
+        tokens, chosen, dists = sample_rows(logits.unsqueeze(0), [seq.sampling])
+        return not seq.accept(tokens[0], chosen[0], dists[0], self._version)
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows
@@ -357,12 +351,12 @@ class TorchEngine:
             return
         self._batch.advance()
         routes = recorder.pop_step().routes[:, 0] if recorder is not None else None  # (B, L, K)
-        logits = out.logits[:, -1]  # (B, V)
+        tokens, chosen, dists = sample_rows(out.logits[:, -1], [seq.sampling for seq in rows])
         keep = []
         for b, seq in enumerate(rows):
             if routes is not None:
                 seq.routes.append(routes[b:b + 1])
-            if not seq.sample(logits[b], self._version):
+            if not seq.accept(tokens[b], chosen[b], dists[b], self._version):
                 keep.append(b)
             else:
                 self._cache_finished(seq, b)

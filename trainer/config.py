@@ -23,6 +23,13 @@ class TinyMoeSettings(BaseModel):
     max_position_embeddings: int = Field(default=2048, ge=128)
     seed: int = 0
 
+    @classmethod
+    def large(cls) -> TinyMoeSettings:
+        """The same family at ~124M parameters (~38M active per token), where compute rather
+        than per-op overhead sets the speed (`flywheel init-model --large`, bench/serving.py)."""
+        return cls(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64,
+                   moe_intermediate_size=1024)
+
     @model_validator(mode="after")
     def _check_shapes(self) -> TinyMoeSettings:
         if self.num_heads % self.num_kv_heads:
