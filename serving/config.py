@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -15,7 +14,7 @@ class EngineSettings(BaseModel):
     max_batch: int = Field(default=32, ge=1, le=1024)
     max_new_tokens_cap: int = Field(default=512, ge=1)
     default_max_tokens: int = Field(default=64, ge=1)
-    # torch intra-op threads. None: `default_threads`
+    # torch intra-op threads. None: `default_threads`, else torch's own default
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
     seed: int = 0
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a
@@ -30,13 +29,14 @@ class EngineSettings(BaseModel):
 
 # Below this many parameters a CPU decode step is hundreds of tiny ops: splitting each over
 # threads costs more than it saves (the default 2.3M model on 2 cores: ~4,000 tok/s at c=32 on
-# one thread, ~2,000 on two), while a 124M model gains from every core (290 -> 374 tok/s).
+# one thread, ~2,000 on two), while a 124M model gains from torch's default of every physical
+# core (290 -> 374 tok/s on two).
 SMALL_MODEL_PARAMS = 20_000_000
 
 
-def default_threads(model: Any) -> int:
+def default_threads(model: Any) -> int | None:
     """Intra-op threads for serving `model` with the torch engine: one for a small model on
-    CPU, else every core."""
+    CPU; None (leave torch's default) otherwise."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     small = sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
-    return 1 if on_cpu and small else os.cpu_count() or 1
+    return 1 if on_cpu and small else None

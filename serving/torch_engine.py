@@ -112,7 +112,8 @@ class TorchEngine:
             raise EngineError(f"no Hugging Face model in {model_dir} (run `flywheel init-model`)")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        torch.set_num_threads(threads or default_threads(model))
+        if threads := threads or default_threads(model):
+            torch.set_num_threads(threads)
         return cls(model, tokenizer, version_number=version_number, seed=seed,
                    max_batch=max_batch, batch_invariant=batch_invariant,
                    prefix_cache_tokens=prefix_cache_tokens)
@@ -194,8 +195,8 @@ class TorchEngine:
     def _run(self) -> None:
         from kernels.moe_replay import capture_routes, find_routers
 
-        routed = find_routers(self.model)  # None: no MoE routes to capture
-        capture = capture_routes(self.model) if routed else contextlib.nullcontext()
+        capture = (capture_routes(self.model) if find_routers(self.model)
+                   else contextlib.nullcontext())  # no top-k MoE routers: recorder None
         with torch.inference_mode(), capture as recorder:
             while not self._closed.is_set():
                 self._run_calls()
@@ -296,8 +297,9 @@ class TorchEngine:
 
     def _prefill(self, seqs: list[EngineSequence], recorder: Any) -> None:
         """Feed `seqs`' prompts, past any cached prefix, in one forward (rows padded as in
-        `serving.batching.prefill_inputs`), then each row samples its first token and, unless
-        finished, joins the decode batch. Raises only if the forward fails (nothing joined)."""
+        `serving.batching.prefill_inputs`), sample every row's first token in one call, and each
+        row not finished by it joins the decode batch. Raises only if the forward or the
+        sampling fails (nothing joined)."""
         from transformers import DynamicCache
 
         prompts = [list(seq.request.prompt_token_ids) for seq in seqs]
@@ -306,6 +308,7 @@ class TorchEngine:
         inputs = prefill_inputs(prompts, hits)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         routes = recorder.pop_step().routes if recorder is not None else None  # (B, N, L, K)
+        tokens, chosen, dists = sample_rows(out.logits[:, -1], [seq.sampling for seq in seqs])
         joining: list[tuple[EngineSequence, Any, int]] = []
         for b, (seq, prompt, hit) in enumerate(zip(seqs, prompts, hits, strict=True)):
             try:
@@ -317,7 +320,7 @@ class TorchEngine:
                                       else torch.cat([hit.routes, fed]))
                 row = (out.past_key_values if len(seqs) == 1
                        else DynamicCache(joined_row_kv(out.past_key_values, b, inputs)))
-                if self._first_token(seq, prompt, row, out.logits[b, -1]):
+                if self._first_token(seq, prompt, row, (tokens[b], chosen[b], dists[b])):
                     joining.append((seq, row, len(prompt)))
             except Exception as exc:  # this request fails; the others join
                 log.exception("prefill failed")
@@ -326,15 +329,14 @@ class TorchEngine:
         self._batch.extend([(row, length) for _, row, length in joining])
 
     def _first_token(self, seq: EngineSequence, prompt: list[int], row: Any,
-                     logits: torch.Tensor) -> bool:
+                     sampled: tuple[int, float, torch.Tensor]) -> bool:
         """A prefilled request: cache its keys/values (`row`, a batch-1 cache over the
-        prompt), sample its first token; True unless that finished it."""
+        prompt), take its first token (`sampled`); True unless that finished it."""
         seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, [(layer.keys, layer.values) for layer in row.layers],
                                      torch.cat(seq.routes) if seq.routes else None)
-        tokens, chosen, dists = sample_rows(logits.unsqueeze(0), [seq.sampling])
-        return not seq.accept(tokens[0], chosen[0], dists[0], self._version)
+        return not seq.accept(*sampled, self._version)
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows
