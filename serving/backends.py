@@ -22,4 +22,5 @@ def build_engine(settings: EngineSettings, model_dir: Path, *, version_number: i
     return TorchEngine.load(model_dir, version_number=version_number, seed=settings.seed,
                             threads=settings.threads, max_batch=settings.max_batch,
                             batch_invariant=batch_invariant,
-                            prefix_cache_tokens=settings.prefix_cache_tokens)
+                            prefix_cache_tokens=settings.prefix_cache_tokens,
+                            compile=settings.compile)

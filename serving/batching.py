@@ -1,7 +1,8 @@
 """A left-padded batch KV cache that rows join and leave between decode steps.
 
-Continuous batching on Hugging Face's own forward: every active request is one row of a
-`DynamicCache` whose layers hold keys/values (B, H, S, D), left-padded to a common length S.
+Continuous batching: every active request is one row of per-layer keys/values (B, H, S, D),
+left-padded to a common length S, in a store with spare columns that decode steps write into in
+place (serving/decode.py's lean step, or Hugging Face's forward on a `DynamicCache` view).
 `mask` (B, S) marks real columns; `positions` (B,) is each row's next position id, so RoPE sees
 true positions whatever the padding. A new row (its own prefill cache, no padding) joins by
 left-padding whichever side is shorter; finished rows leave with `index_select`; columns that
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from serving.prefix_cache import PrefixHit
 
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (B, H, S, D)
+
+
 def _layers(cache: Any) -> list[Any]:
     return list(cache.layers)
 
@@ -35,11 +39,24 @@ def _left_pad(x: torch.Tensor, columns: int) -> torch.Tensor:
     return F.pad(x, (0, 0, columns, 0)) if columns else x
 
 
+def _spare(width: int) -> int:
+    """Free columns a new store keeps after `width` live ones: decode steps write there in
+    place until it fills (then the store is copied once into a bigger one)."""
+    return max(64, width // 2)
+
+
 class PaddedKVBatch:
-    """The shared cache of all active rows (see module doc). Rows are indexed 0..B-1."""
+    """The shared cache of all active rows (see module doc). Rows are indexed 0..B-1.
+
+    Each layer's keys and values live in a store (B, H, C, D) with C >= the live width: the
+    live columns are `[start, start + width)`, a decode step writes its column right after
+    them in place (`step_kv`), and trimming the left is moving `start`. The store is copied
+    only when rows join or leave, or when its spare columns run out."""
 
     def __init__(self) -> None:
-        self.cache: Any = None
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._start = 0
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # (B, S) 1 = real column
         self.positions = torch.zeros(0, dtype=torch.long)  # (B,) next position id per row
 
@@ -50,40 +67,50 @@ class PaddedKVBatch:
     def width(self) -> int:
         return int(self.mask.shape[1])
 
-    def add(self, row_cache: Any, length: int) -> None:
-        """Append one row: `row_cache` is a batch-1 DynamicCache over `length` real tokens."""
-        self.extend([(row_cache, length)])
+    def kv(self) -> KV:
+        """Every layer's live keys/values (B, H, S, D): views into the store."""
+        end = self._start + self.width
+        return [(k[:, :, self._start:end], v[:, :, self._start:end])
+                for k, v in zip(self._keys, self._values, strict=True)]
 
-    def extend(self, rows: Sequence[tuple[Any, int]]) -> None:
-        """Append rows, each (batch-1 DynamicCache, real tokens), copying the batch once."""
+    def _restore(self, kv: KV, spare: int) -> None:
+        """Copy `kv` (live columns only) into a new store with `spare` free columns."""
+        self._keys, self._values, self._start = [], [], 0
+        for keys, values in kv:
+            b, h, s, d = keys.shape
+            self._keys.append(keys.new_zeros(b, h, s + spare, d))
+            self._values.append(values.new_zeros(b, h, s + spare, d))
+            self._keys[-1][:, :, :s] = keys
+            self._values[-1][:, :, :s] = values
+
+    def add(self, row_kv: KV, length: int) -> None:
+        """Append one row: `row_kv` per layer (1, H, length, D), all real tokens."""
+        self.extend([(row_kv, length)])
+
+    def extend(self, rows: Sequence[tuple[KV, int]]) -> None:
+        """Append rows, each (per-layer keys/values (1, H, n, D), n real tokens), copying the
+        batch once."""
         if not rows:
             return
         lengths = [length for _, length in rows]
-        if len(self) == 0 and len(rows) == 1:  # the row's own cache becomes the batch: no copy
-            self.cache = rows[0][0]
-        else:
-            parts = [(_layers(cache), length) for cache, length in rows]
-            if len(self):
-                parts.insert(0, (_layers(self.cache), self.width))
-            else:
-                self.cache = rows[0][0]  # its layer objects take the joined tensors
-            width = max(length for _, length in parts)
-            joined = [(torch.cat([_left_pad(ls[i].keys, width - n) for ls, n in parts]),
-                       torch.cat([_left_pad(ls[i].values, width - n) for ls, n in parts]))
-                      for i in range(len(parts[0][0]))]
-            for layer, (keys, values) in zip(_layers(self.cache), joined, strict=True):
-                layer.keys, layer.values = keys, values
-        width = max(self.width, *lengths)
+        parts = [(kv, length) for kv, length in rows]
+        if len(self):
+            parts.insert(0, (self.kv(), self.width))
+        width = max(length for _, length in parts)
+        joined = [(torch.cat([_left_pad(kv[i][0], width - n) for kv, n in parts]),
+                   torch.cat([_left_pad(kv[i][1], width - n) for kv, n in parts]))
+                  for i in range(len(parts[0][0]))]
+        self._restore(joined, _spare(width))
         row_masks = [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lengths]
         self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), *row_masks])
         self.positions = torch.cat([self.positions, torch.tensor(lengths, dtype=torch.long)])
 
-    def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def row_kv(self, row: int) -> KV:
         """A copy of row `row`'s keys/values over its real columns, the last `positions[row]`
         (rows are left-padded): (1, H, P, D) per layer."""
         n = int(self.positions[row])
-        return [(layer.keys[row:row + 1, :, -n:].clone(),
-                 layer.values[row:row + 1, :, -n:].clone()) for layer in _layers(self.cache)]
+        return [(k[row:row + 1, :, -n:].clone(), v[row:row + 1, :, -n:].clone())
+                for k, v in self.kv()]
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order), then trim columns that are padding everywhere."""
@@ -98,14 +125,36 @@ class PaddedKVBatch:
         real_columns = self.mask.any(dim=0).nonzero()
         start = int(real_columns[0]) if len(real_columns) else self.width
         self.mask = self.mask[:, start:]
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        self._start += start
+        self._keys = [k.index_select(0, index) for k in self._keys]
+        self._values = [v.index_select(0, index) for v in self._values]
+
+    def step_kv(self) -> KV:
+        """Views (B, H, S + 1, D) of every layer: the live columns and, last, the free one a
+        decode step writes its keys/values into (the store grows first if it has none)."""
+        if self._start + self.width == self._keys[0].shape[2]:
+            self._restore(self.kv(), _spare(self.width))
+        end = self._start + self.width + 1
+        return [(k[:, :, self._start:end], v[:, :, self._start:end])
+                for k, v in zip(self._keys, self._values, strict=True)]
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention_mask (B, S + 1), position_ids (B, 1)) for one decode step."""
         mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
         return mask, self.positions.unsqueeze(1)
+
+    def dynamic_cache(self) -> Any:
+        """The live columns as a transformers `DynamicCache` for the model's own forward; its
+        step's keys/values go back into the store with `commit`."""
+        from transformers import DynamicCache
+
+        return DynamicCache(self.kv())
+
+    def commit(self, cache: Any) -> None:
+        """Store the column a forward on `dynamic_cache()` appended to every layer."""
+        for (keys, values), layer in zip(self.step_kv(), _layers(cache), strict=True):
+            keys[:, :, -1] = layer.keys[:, :, -1]
+            values[:, :, -1] = layer.values[:, :, -1]
 
     def advance(self) -> None:
         """Record that the decode step appended one real column to every row."""
@@ -151,8 +200,12 @@ def prefill_inputs(prompts: list[list[int]], hits: list[PrefixHit | None]) -> di
     return inputs
 
 
-def joined_row_kv(cache: Any, row: int,
-                  inputs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_kv(cache: Any) -> KV:
+    """A transformers cache's keys/values per layer."""
+    return [(layer.keys, layer.values) for layer in _layers(cache)]
+
+
+def joined_row_kv(cache: Any, row: int, inputs: dict[str, Any]) -> KV:
     """Row `row`'s keys/values after a `prefill_inputs` forward, pads dropped: (1, H, P, D)
     per layer, in a cache of its own."""
     columns = inputs["attention_mask"][row].nonzero().squeeze(1)

@@ -20,6 +20,10 @@ class EngineSettings(BaseModel):
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a
     # conversation's next turn). 0: off; excludes bitwise batch invariance (docs/serving.md)
     prefix_cache_tokens: int = Field(default=0, ge=0)
+    # torch backend: compile the lean decode step (serving/decode.py) with torch.compile at
+    # start-up (tens of seconds, less once inductor's cache is warm; eager where it fails):
+    # ~2.5x the tokens/s of one request on the default model, none at 32 (docs/serving.md)
+    compile: bool = True
     # vllm backend: memory for its KV cache. On a GPU, a fraction of GPU memory; on a CPU host
     # vLLM would reserve that fraction of *RAM* (0.92 by default), so there the cache is
     # sized in GiB instead (FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB).

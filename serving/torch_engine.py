@@ -4,7 +4,8 @@ All model work runs on one engine thread, so requests never fight over the weigh
 asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
 requests (prefilled together in one padded forward, or each alone in batch-invariant mode, then
 joined to the batch), run one batched decode step over every active row
-(`serving.batching.PaddedKVBatch`), sample every row at once, each from its own seeded
+(`serving.batching.PaddedKVBatch`; serving/decode.py's lean step for the Qwen3-MoE family, the
+model's own forward otherwise), sample every row at once, each from its own seeded
 generator (serving/sampling.py), let finished or cancelled rows leave. A request's tokens and
 logprobs therefore do not depend on what else is in the batch beyond float tolerance (bitwise with
 `batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
@@ -35,8 +36,9 @@ import torch
 
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
-from serving.batching import PaddedKVBatch, joined_row_kv, prefill_inputs
+from serving.batching import PaddedKVBatch, cache_kv, joined_row_kv, prefill_inputs
 from serving.config import default_threads
+from serving.decode import decode, lean_decoder
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -69,7 +71,7 @@ class TorchEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0, seed: int = 0,
                  max_batch: int = 32, batch_invariant: bool = False,
-                 prefix_cache_tokens: int = 0) -> None:
+                 prefix_cache_tokens: int = 0, compile: bool = False) -> None:
         if batch_invariant and prefix_cache_tokens:
             raise ValueError("prefix caching reuses keys/values from other forward passes, so "
                              "it cannot be bitwise batch-invariant: choose one")
@@ -92,18 +94,22 @@ class TorchEngine:
         self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
         self._pending_swap: _Swap | None = None
         self._batch = PaddedKVBatch()
+        self._decoder = lean_decoder(self.model, batch_invariant=batch_invariant)
+        self._compile = compile and self._decoder is not None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._weights_epoch = 0  # bumped by every call or swap that may change the weights
         self.prefilled_tokens = 0  # prompt tokens fed through the model (cached ones are not)
-        self._closed = threading.Event()
+        self._closed, self._started = threading.Event(), threading.Event()
         self.on_step: Callable[[int], None] | None = None  # called with the decode batch size
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        self._started.wait()  # the step compiled (on the thread that runs it), if asked
 
     @classmethod
     def load(cls, model_dir: Path, *, version_number: int = 0, seed: int = 0,
              threads: int | None = None, max_batch: int = 32,
-             batch_invariant: bool = False, prefix_cache_tokens: int = 0) -> TorchEngine:
+             batch_invariant: bool = False, prefix_cache_tokens: int = 0,
+             compile: bool = False) -> TorchEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -116,7 +122,7 @@ class TorchEngine:
             torch.set_num_threads(threads)
         return cls(model, tokenizer, version_number=version_number, seed=seed,
                    max_batch=max_batch, batch_invariant=batch_invariant,
-                   prefix_cache_tokens=prefix_cache_tokens)
+                   prefix_cache_tokens=prefix_cache_tokens, compile=compile)
 
     @property
     def version(self) -> ModelVersion:
@@ -195,6 +201,9 @@ class TorchEngine:
     def _run(self) -> None:
         from kernels.moe_replay import capture_routes, find_routers
 
+        if self._compile:
+            self._decoder.compile()  # type: ignore[union-attr]
+        self._started.set()
         capture = (capture_routes(self.model) if find_routers(self.model)
                    else contextlib.nullcontext())  # no top-k MoE routers: recorder None
         with torch.inference_mode(), capture as recorder:
@@ -300,8 +309,6 @@ class TorchEngine:
         `serving.batching.prefill_inputs`), sample every row's first token in one call, and each
         row not finished by it joins the decode batch. Raises only if the forward or the
         sampling fails (nothing joined)."""
-        from transformers import DynamicCache
-
         prompts = [list(seq.request.prompt_token_ids) for seq in seqs]
         hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
                 for p in prompts]
@@ -318,8 +325,8 @@ class TorchEngine:
                     fed = routes[b, routes.shape[1] - new:]  # (new, L, K)
                     seq.routes.append(fed if hit is None or hit.routes is None
                                       else torch.cat([hit.routes, fed]))
-                row = (out.past_key_values if len(seqs) == 1
-                       else DynamicCache(joined_row_kv(out.past_key_values, b, inputs)))
+                row = (cache_kv(out.past_key_values) if len(seqs) == 1
+                       else joined_row_kv(out.past_key_values, b, inputs))
                 if self._first_token(seq, prompt, row, (tokens[b], chosen[b], dists[b])):
                     joining.append((seq, row, len(prompt)))
             except Exception as exc:  # this request fails; the others join
@@ -330,30 +337,26 @@ class TorchEngine:
 
     def _first_token(self, seq: EngineSequence, prompt: list[int], row: Any,
                      sampled: tuple[int, float, torch.Tensor]) -> bool:
-        """A prefilled request: cache its keys/values (`row`, a batch-1 cache over the
-        prompt), take its first token (`sampled`); True unless that finished it."""
+        """A prefilled request: cache its keys/values (`row`, per layer (1, H, P, D) over
+        the prompt), take its first token (`sampled`); True unless that finished it."""
         seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(prompt, [(layer.keys, layer.values) for layer in row.layers],
-                                     torch.cat(seq.routes) if seq.routes else None)
+            self.prefix_cache.insert(prompt, row, torch.cat(seq.routes) if seq.routes else None)
         return not seq.accept(*sampled, self._version)
 
     def _decode_step(self, recorder: Any) -> None:
         rows = self._rows
         if self.on_step is not None:
             self.on_step(len(rows))
-        mask, positions = self._batch.step_inputs()
         try:
-            out = self.model(input_ids=torch.tensor([[s.tokens[-1]] for s in rows]),
-                             attention_mask=mask, position_ids=positions,
-                             past_key_values=self._batch.cache, use_cache=True)
+            logits, routes = decode(self.model, self._decoder, self._batch,
+                                    [s.tokens[-1] for s in rows], recorder)  # routes (B, L, K)
         except Exception as exc:  # every row in the step fails; the engine goes on
             log.exception("decode step failed")
             self._fail_active(EngineError(f"decode step failed: {exc}"))
             return
         self._batch.advance()
-        routes = recorder.pop_step().routes[:, 0] if recorder is not None else None  # (B, L, K)
-        tokens, chosen, dists = sample_rows(out.logits[:, -1], [seq.sampling for seq in rows])
+        tokens, chosen, dists = sample_rows(logits, [seq.sampling for seq in rows])
         keep = []
         for b, seq in enumerate(rows):
             if routes is not None:

@@ -34,6 +34,11 @@ def service_reachable(host: str, port: int) -> bool:
         return False
 
 
+# The engines the tests start (in this process and in the servers they launch) decode eagerly:
+# compiling the step takes tens of seconds per process. tests/serving/test_decode.py covers the
+# compiled step.
+os.environ.setdefault("FLYWHEEL_ENGINE__COMPILE", "false")
+
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"  # the production tests' own
 
 

@@ -117,37 +117,54 @@ def test_stream_matches_generate_and_closing_it_cancels(engine: TorchEngine) -> 
 
 
 def test_padded_batch_joins_leaves_and_trims() -> None:
-    from transformers import DynamicCache
-
-    def row(length: int, fill: float) -> DynamicCache:
-        cache = DynamicCache()
-        cache.update(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), fill), 0)
-        return cache
+    def row(length: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), fill))]
 
     batch = PaddedKVBatch()
     batch.add(row(3, 1.0), 3)
     batch.add(row(5, 2.0), 5)
     assert batch.mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
     assert batch.positions.tolist() == [3, 5]
-    keys = batch.cache.layers[0].keys  # (B, H, S, D)
+    keys = batch.kv()[0][0]  # (B, H, S, D)
     assert keys[0, :, :2].abs().sum() == 0 and (keys[0, :, 2:] == 1).all()
     mask, positions = batch.step_inputs()
     assert mask.shape == (2, 6) and positions.tolist() == [[3], [5]]
-    batch.cache.update(torch.full((2, 2, 1, 4), 3.0), torch.full((2, 2, 1, 4), 3.0), 0)  # forward
+    step_keys, step_values = batch.step_kv()[0]  # a decode step writes its column in place
+    step_keys[:, :, -1], step_values[:, :, -1] = 3.0, 3.0
     batch.advance()
     batch.keep([0])  # the long row leaves: the pad columns of row 0 are trimmed
     assert batch.mask.tolist() == [[1, 1, 1, 1]]
-    assert batch.cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 3.0]
+    assert batch.kv()[0][0][0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 3.0]
     assert batch.positions.tolist() == [4]
 
 
-def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
-    from transformers import DynamicCache
+def test_decode_steps_write_in_place_and_the_store_grows_when_full() -> None:
+    batch = PaddedKVBatch()
+    batch.add([(torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1))], 2)
+    for step in range(1, 151):  # past the first store's spare columns
+        keys, values = batch.step_kv()[0]
+        keys[:, :, -1], values[:, :, -1] = float(step), -float(step)
+        batch.advance()
+    keys, values = batch.kv()[0]
+    assert keys[0, 0, :, 0].tolist() == [0.0, 0.0, *map(float, range(1, 151))]
+    assert (values == -keys).all() and batch.positions.tolist() == [152]
 
-    def row(length: int, fill: float) -> DynamicCache:
-        cache = DynamicCache()
-        cache.update(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), -fill), 0)
-        return cache
+
+def test_the_model_forward_path_commits_its_step_into_the_store() -> None:
+    batch = PaddedKVBatch()
+    batch.add([(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))], 3)
+    cache = batch.dynamic_cache()
+    cache.update(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 8.0), 0)  # the forward
+    batch.commit(cache)
+    batch.advance()
+    keys, values = batch.kv()[0]
+    assert keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 7.0]
+    assert values[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 8.0]
+
+
+def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
+    def row(length: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((1, 2, length, 4), fill), torch.full((1, 2, length, 4), -fill))]
 
     sizes = [(3, 1.0), (5, 2.0), (2, 3.0)]
     for start in ([], [(4, 9.0)]):  # into an empty batch, and into one with a row
@@ -160,7 +177,7 @@ def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
         together.extend([(row(length, fill), length) for length, fill in sizes])
         assert together.mask.tolist() == one_by_one.mask.tolist()
         assert together.positions.tolist() == one_by_one.positions.tolist()
-        a, b = together.cache.layers[0], one_by_one.cache.layers[0]
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        (ka, va), (kb, vb) = together.kv()[0], one_by_one.kv()[0]
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
         keys, values = together.row_kv(len(start))[0]  # the first new row: 3 real columns
         assert keys.shape == (1, 2, 3, 4) and (keys == 1.0).all() and (values == -1.0).all()
