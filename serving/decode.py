@@ -5,12 +5,13 @@ A decode step feeds one token per row. Hugging Face's forward is built for any s
 it builds a 4-D causal mask, RoPE tables, output dataclasses and a `DynamicCache` that
 concatenates every layer's keys/values into new tensors. At the default model's size that
 bookkeeping, not arithmetic, is most of a step. `Qwen3MoeDecoder` runs the same layers on the
-same parameters (the model's own modules for the projections, norms and routers, so a swap in
-place is seen at once and route-capture hooks still see the routers) with what a one-token step
-needs: RoPE rows from a table, keys/values written into the batch's store in place,
-grouped-query attention as two batched matmuls over the live columns, and the top-k experts
-computed per token (few tokens) or as one grouped GEMM per projection (many). It returns each
-row's logits and the experts every MoE layer chose, as the recorder would have.
+same parameters (the model's projection modules, its norms' and routers' weights: a swap in
+place is seen at once) with what a one-token step needs: RoPE rows from a table, keys/values
+written into the batch's store in place, grouped-query attention as two batched matmuls over
+the live columns, the router's math inline, and the top-k experts computed per token (few
+tokens) or as one grouped GEMM per projection (many). It returns each row's logits and the
+experts every MoE layer chose, as the route recorder would have. `compile` puts the steps of a
+few rows through `torch.compile`, where per-op overhead is all their cost.
 
 Logits agree with Hugging Face's forward to float tolerance, not bitwise (other kernels, other
 summation order), so the batch-invariant mode keeps the model's own forward
