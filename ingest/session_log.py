@@ -4,7 +4,7 @@
 full the record goes straight to the spool). One sender thread drains the queue in batches
 (once a record is there it lingers `linger_s`, 0.1 s by default, for more: one produce request
 per record cost the serving process and the broker ~6% of a request's p50 at c=8 on 2 cores,
-bench/serving.py's `logging_overhead_p50`, against ~0.5% batched), produces them (acks=all)
+bench/serving.py's `logging_overhead_p50`, against 0-2% batched), produces them (acks=all)
 and waits for the acks. A record that is not acknowledged within the
 producer's delivery timeout, or that cannot even be sent (broker unreachable), is appended to a
 local append-only spool (`ingest.spool`); while the spool holds anything, new records go behind

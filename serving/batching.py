@@ -93,7 +93,7 @@ class PaddedKVBatch:
         if not rows:
             return
         lengths = [length for _, length in rows]
-        parts = [(kv, length) for kv, length in rows]
+        parts = list(rows)
         if len(self):
             parts.insert(0, (self.kv(), self.width))
         width = max(length for _, length in parts)

@@ -107,20 +107,22 @@ class Qwen3MoeDecoder:
 
     def _warm(self, forward: Any, rows: int, width: int = 8) -> None:
         """One step of `rows` rows over `width` columns of zeros, laid out as a batch's store."""
-        device, dtype = self.cos.device, self.cos.dtype
-        store = [(torch.zeros(rows, self.kv_heads, width + 64, self.head_dim, device=device,
-                              dtype=dtype),
-                  torch.zeros(rows, self.kv_heads, width + 64, self.head_dim, device=device,
-                              dtype=dtype)) for _ in self.layers]
+        device = self.cos.device
+
+        def column_view() -> torch.Tensor:  # live columns and the step's, spare ones after
+            store = torch.zeros(rows, self.kv_heads, width + 64, self.head_dim, device=device,
+                                dtype=self.cos.dtype)
+            return store[:, :, :width + 1]
+
         forward(torch.zeros(rows, dtype=torch.long, device=device),
                 torch.full((rows,), width, device=device),
                 torch.ones(rows, width + 1, dtype=torch.long, device=device),
-                [(k[:, :, :width + 1], v[:, :, :width + 1]) for k, v in store])
+                [(column_view(), column_view()) for _ in self.layers])
 
     def step(self, tokens: list[int], batch: PaddedKVBatch
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self.cos.device
-        mask = torch.cat([batch.mask, torch.ones(len(tokens), 1, dtype=torch.long)], dim=1)
+        mask, _ = batch.step_inputs()  # (B, S + 1)
         forward = self._compiled if len(tokens) < self.grouped_from else self.forward
         logits, routes = forward(torch.tensor(tokens, device=device),
                                       batch.positions.to(device), mask.to(device),
