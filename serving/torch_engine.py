@@ -2,16 +2,18 @@
 
 All model work runs on one engine thread, so requests never fight over the weights; the
 asyncio side submits requests and awaits their deltas. The thread loops: admit waiting
-requests (prefilled together in one padded forward, or each alone in batch-invariant mode, then
-joined to the batch), run one batched decode step over every active row
-(`serving.batching.PaddedKVBatch`; serving/decode.py's lean step for the Qwen3-MoE family, the
-model's own forward otherwise), sample every row at once, each from its own seeded
-generator (serving/sampling.py), let finished or cancelled rows leave. A request's tokens and
-logprobs therefore do not depend on what else is in the batch beyond float tolerance (bitwise with
-`batch_invariant=True`, see kernels/batch_invariant.py). MoE routes are captured per fed
-token with kernels/moe_replay. With `prefix_cache_tokens`, a prompt that starts with a
-sequence computed recently (the previous turn of a conversation, the same prompt sampled again)
-prefills only its new tokens (serving/prefix_cache.py).
+requests, run one batched decode step over every active row (`serving.batching.PaddedKVBatch`),
+sample every row at once, each from its own seeded generator (serving/sampling.py), let
+finished or cancelled rows leave. For the Qwen3-MoE family the step is serving/decode.py's
+lean step, and the requests admitted are prefilled inside it (`mixed`: one pass over the
+weights for both); otherwise (other families, batch-invariant mode) they are prefilled first
+by the model's own forward (together in one padded forward, or each alone in batch-invariant
+mode), then joined. A request's tokens and logprobs therefore do not depend on what else is
+in the batch beyond float tolerance (bitwise with `batch_invariant=True`, see
+kernels/batch_invariant.py). MoE routes are captured per fed token with kernels/moe_replay.
+With `prefix_cache_tokens`, a prompt that starts with a sequence computed recently (the
+previous turn of a conversation, the same prompt sampled again) prefills only its new tokens
+(serving/prefix_cache.py).
 
     engine = TorchEngine.load(Path("data/models/base"), max_batch=32)
     result = await engine.generate(GenerationRequest(prompt_token_ids=[...], max_tokens=32))
@@ -38,7 +40,7 @@ from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
 from serving.batching import PaddedKVBatch, cache_kv, joined_row_kv, prefill_inputs
 from serving.config import default_threads
-from serving.decode import decode, lean_decoder
+from serving.decode import Joining, decode, lean_decoder
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -91,6 +93,8 @@ class TorchEngine:
         self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
         self._rows: list[EngineSequence] = []
+        self._joining: list[EngineSequence] = []  # prefilled with the next step (lean step)
+        self._deferred: list[EngineSequence] = []  # admitted, to join with a later step
         self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
         self._pending_swap: _Swap | None = None
         self._batch = PaddedKVBatch()
@@ -212,7 +216,9 @@ class TorchEngine:
                 if not self._swap_when_drained():
                     self._admit(recorder)
                 self._drop_cancelled()
-                if self._rows:
+                if self._joining:
+                    self._mixed_step(recorder)
+                elif self._rows:
                     self._decode_step(recorder)
         self._fail_active(EngineClosedError("engine closed"))
         self._fail_waiting(EngineClosedError("engine closed"))
@@ -254,8 +260,11 @@ class TorchEngine:
         return False
 
     def _admit(self, recorder: Any) -> None:
-        block = not self._rows
-        joining: list[EngineSequence] = []
+        """Take waiting requests up to `max_batch`. With the lean step, the first wave joins
+        with the next step (`_mixed_step`) and a second (prompt repeats) waits for one after
+        it; otherwise each wave is prefilled now, on its own."""
+        joining, self._deferred = self._deferred, []
+        block = not self._rows and not joining
         while len(self._rows) + len(joining) < self.max_batch:
             try:
                 seq = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
@@ -264,11 +273,15 @@ class TorchEngine:
             block = False
             if seq is None:
                 break
+            joining.append(seq)
+        for seq in joining:
             if seq.cancelled:
                 seq.finish("cancelled", self._version)
-                continue
-            joining.append(seq)
-        for wave in self._waves(joining):
+        waves = self._waves([seq for seq in joining if not seq.cancelled])
+        if self._decoder is not None and waves:
+            self._joining, self._deferred = waves[0], [s for wave in waves[1:] for s in wave]
+            return
+        for wave in waves:
             self._prefill_wave(wave, recorder)
 
     def _waves(self, joining: list[EngineSequence]) -> list[list[EngineSequence]]:
@@ -301,6 +314,8 @@ class TorchEngine:
 
     def _weights_changed(self) -> None:
         self._weights_epoch += 1
+        if self._decoder is not None:
+            self._decoder.weights_changed()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -357,6 +372,55 @@ class TorchEngine:
             return
         self._batch.advance()
         tokens, chosen, dists = sample_rows(logits, [seq.sampling for seq in rows])
+        self._keep(self._accept_rows(rows, routes, (tokens, chosen, dists)))
+
+    def _mixed_step(self, recorder: Any) -> None:
+        """A decode step of the batch's rows that also prefills the joining requests (the
+        lean step's `mixed`): their first tokens are sampled with the rows' next ones, and the
+        unfinished join the batch. If it fails, the joining requests are prefilled on their
+        own (the model's forward, one by one if need be) and the rows decode as usual."""
+        rows, joining, self._joining = self._rows, self._joining, []
+        prompts = [list(seq.request.prompt_token_ids) for seq in joining]
+        hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
+                for p in prompts]
+        try:
+            step = self._decoder.mixed(  # type: ignore[union-attr]
+                [s.tokens[-1] for s in rows], self._batch,
+                [Joining(p[hit.length:], hit.kv) if hit is not None else Joining(p)
+                 for p, hit in zip(prompts, hits, strict=True)])
+            sampled = sample_rows(step.logits, [seq.sampling for seq in rows + joining])
+        except Exception:
+            log.exception("a step with prefills failed; prefilling them on their own")
+            self._prefill_wave(joining, recorder)
+            if self._rows:
+                self._decode_step(recorder)
+            return
+        if rows:
+            self._batch.advance()
+            if self.on_step is not None:
+                self.on_step(len(rows))
+        keep = self._accept_rows(rows, step.routes, sampled)
+        tokens, chosen, dists = sampled
+        joined: list[tuple[EngineSequence, Any, int]] = []
+        for i, (seq, prompt, hit) in enumerate(zip(joining, prompts, hits, strict=True)):
+            b = len(rows) + i
+            self.prefilled_tokens += len(prompt) - (hit.length if hit is not None else 0)
+            fed = step.joined_routes[i]
+            if fed is not None:
+                seq.routes.append(fed if hit is None or hit.routes is None
+                                  else torch.cat([hit.routes, fed]))
+            row = step.joined_kv[i]
+            if self._first_token(seq, prompt, row, (tokens[b], chosen[b], dists[b])):
+                joined.append((seq, row, len(prompt)))
+        self._keep(keep)
+        self._rows += [seq for seq, _, _ in joined]
+        self._batch.extend([(row, length) for _, row, length in joined])
+
+    def _accept_rows(self, rows: list[EngineSequence], routes: torch.Tensor | None,
+                     sampled: tuple[list[int], list[float], torch.Tensor]) -> list[int]:
+        """Hand each of the batch's rows its sampled token (and routes (B, L, K)); the
+        indices of those not finished by it. Finished rows' keys/values are cached."""
+        tokens, chosen, dists = sampled
         keep = []
         for b, seq in enumerate(rows):
             if routes is not None:
@@ -365,7 +429,10 @@ class TorchEngine:
                 keep.append(b)
             else:
                 self._cache_finished(seq, b)
-        self._rows = [rows[b] for b in keep]
+        return keep
+
+    def _keep(self, keep: list[int]) -> None:
+        self._rows = [self._rows[b] for b in keep]
         self._batch.keep(keep)
 
     def _cache_finished(self, seq: EngineSequence, row: int) -> None:
@@ -394,6 +461,9 @@ class TorchEngine:
         self._batch = PaddedKVBatch()
 
     def _fail_waiting(self, exc: Exception) -> None:
+        for admitted in self._joining + self._deferred:
+            admitted.send(exc)
+        self._joining, self._deferred = [], []
         while True:
             try:
                 seq = self._inbox.get_nowait()

@@ -84,6 +84,35 @@ def test_requests_that_arrive_together_are_prefilled_together_and_match_alone(
     assert wait_idle(engine)
 
 
+def test_weights_written_between_steps_are_what_the_next_steps_use(model_dir: Path) -> None:
+    """Six rows at once: the lean step's GEMMs run on its oneDNN copies of the weights, which
+    a write through the engine (a swap, a load) must replace."""
+    from transformers import AutoModelForCausalLM
+
+    new = {k: v * 1.25 for k, v in AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).state_dict().items()}
+    greedy = [GenerationRequest(prompt_token_ids=[7 + i, 40, 41, 300 + i], max_tokens=8,
+                                temperature=0.0) for i in range(6)]
+
+    async def together(engine: TorchEngine) -> list[GenerationResult]:
+        return list(await asyncio.gather(*(engine.generate(r) for r in greedy)))
+
+    engine, fresh = TorchEngine.load(model_dir, max_batch=8), TorchEngine.load(model_dir)
+    try:
+        before = asyncio.run(together(engine))
+        engine.call_between_steps(lambda model: model.load_state_dict(new)).result()
+        fresh.call_between_steps(lambda model: model.load_state_dict(new)).result()
+        after, expected = asyncio.run(together(engine)), [
+            asyncio.run(fresh.generate(r)) for r in greedy]  # one by one: no oneDNN copies
+    finally:
+        engine.close()
+        fresh.close()
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    for a, b in zip(after, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_batch_invariant_mode_is_bitwise(model_dir: Path) -> None:
     pytest.importorskip("kernels.batch_invariant")
     engine = TorchEngine.load(model_dir, max_batch=4, batch_invariant=True)

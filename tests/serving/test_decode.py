@@ -1,7 +1,9 @@
 """The lean decode step (serving/decode.py) against the model's own forward: same logits to
 float tolerance and the same experts, on rows of different lengths, for one row (experts per
-token) and many (grouped GEMMs), over several steps writing into the batch's store; compiled,
-the same again, and weights changed in place (a hot swap) are what it computes with."""
+token) and many (grouped GEMMs), over several steps writing into the batch's store; a mixed step
+(the batch's rows decode while new prompts, some past a cached prefix, are prefilled) against
+the model's decode step and its prefill of each prompt; compiled, the same again, and weights
+changed in place (a hot swap) are what it computes with."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from kernels.moe_replay import capture_routes
 from serving.batching import PaddedKVBatch, cache_kv
-from serving.decode import Qwen3MoeDecoder, decode, lean_decoder
+from serving.decode import Joining, Qwen3MoeDecoder, decode, lean_decoder
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,43 @@ def test_lean_step_matches_the_model_forward(model, rows: int) -> None:
             ours.advance()
             theirs.advance()
             tokens = ref.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_mixed_step_matches_the_model_decode_and_prefill(model, rows: int) -> None:
+    decoder = lean_decoder(model)
+    assert decoder is not None
+    prompts = [[5 + r, 40, 41, 300 + r, 7][: 2 + r % 4] for r in range(rows)]
+    new = [[9, 8, 7, 6, 5, 4, 3], [21, 22], [9, 8, 7, 6, 5, 4, 3, 31, 32]]  # the last: cached
+    cached = 7  # the last prompt's first 7 tokens were computed before (the first prompt)
+    with torch.inference_mode(), capture_routes(model) as recorder:
+        ours, theirs = batch_of(model, prompts), batch_of(model, prompts)
+        prefix = cache_kv(model(input_ids=torch.tensor([new[2][:cached]]),
+                                use_cache=True).past_key_values)
+        recorder.steps.clear()
+        tokens = [11 + r for r in range(rows)]
+        step = decoder.mixed(tokens, ours, [Joining(new[0]), Joining(new[1]),
+                                            Joining(new[2][cached:], prefix)])
+        assert step.logits.shape[0] == rows + 3
+        if rows:
+            ref, ref_routes = decode(model, None, theirs, tokens, recorder)
+            torch.testing.assert_close(step.logits[:rows], ref, atol=1e-4, rtol=1e-4)
+            assert step.routes is not None and torch.equal(step.routes, ref_routes)
+            for (k1, v1), (k2, v2) in zip(ours.step_kv(), theirs.step_kv(), strict=True):
+                torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        for i, prompt in enumerate(new):
+            out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+            routes = recorder.pop_step().routes[0]  # (P, L, K)
+            torch.testing.assert_close(step.logits[rows + i], out.logits[0, -1],
+                                       atol=1e-4, rtol=1e-4)
+            fed = step.joined_routes[i]
+            assert fed is not None and torch.equal(fed, routes[len(routes) - len(fed):])
+            for (k1, v1), (k2, v2) in zip(step.joined_kv[i], cache_kv(out.past_key_values),
+                                          strict=True):
+                torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        assert len(step.joined_routes[2]) == len(new[2]) - cached
 
 
 def test_lean_step_is_off_where_it_does_not_apply(model) -> None:
