@@ -32,10 +32,21 @@ def batch_of(model, prompts: list[list[int]]) -> PaddedKVBatch:
     return batch
 
 
+@pytest.fixture(params=[False, True], ids=["blas", "onednn"])
+def onednn(request, monkeypatch) -> bool:
+    """With True, the default model (too small for them by default) gets oneDNN copies."""
+    if request.param:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch build has no oneDNN")
+        monkeypatch.setattr("serving.decode.SMALL_MODEL_PARAMS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 6])
-def test_lean_step_matches_the_model_forward(model, rows: int) -> None:
+def test_lean_step_matches_the_model_forward(model, rows: int, onednn: bool) -> None:
     decoder = lean_decoder(model)
     assert isinstance(decoder, Qwen3MoeDecoder)
+    assert (decoder.onednn is not None) == onednn
     prompts = [[5 + r, 40, 41, 300 + r, 7][: 2 + r % 4] * (1 + r % 2) for r in range(rows)]
     with torch.inference_mode(), capture_routes(model) as recorder:
         ours, theirs = batch_of(model, prompts), batch_of(model, prompts)
@@ -57,9 +68,9 @@ def test_lean_step_matches_the_model_forward(model, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5])
-def test_mixed_step_matches_the_model_decode_and_prefill(model, rows: int) -> None:
+def test_mixed_step_matches_the_model_decode_and_prefill(model, rows: int, onednn: bool) -> None:
     decoder = lean_decoder(model)
-    assert decoder is not None
+    assert decoder is not None and (decoder.onednn is not None) == onednn
     prompts = [[5 + r, 40, 41, 300 + r, 7][: 2 + r % 4] for r in range(rows)]
     new = [[9, 8, 7, 6, 5, 4, 3], [21, 22], [9, 8, 7, 6, 5, 4, 3, 31, 32]]  # the last: cached
     cached = 7  # the last prompt's first 7 tokens were computed before (the first prompt)
