@@ -53,7 +53,7 @@ from serving.engine import (
     collect,
 )
 from serving.hot_swap import swap
-from serving.prefix_cache import PrefixCache
+from serving.prefix_cache import PrefixCache, PrefixHit
 from serving.sampling import sample_rows
 from serving.sequence import EngineSequence
 
@@ -324,9 +324,7 @@ class TorchEngine:
         `serving.batching.prefill_inputs`), sample every row's first token in one call, and each
         row not finished by it joins the decode batch. Raises only if the forward or the
         sampling fails (nothing joined)."""
-        prompts = [list(seq.request.prompt_token_ids) for seq in seqs]
-        hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
-                for p in prompts]
+        prompts, hits = self._lookup(seqs)
         inputs = prefill_inputs(prompts, hits)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         routes = recorder.pop_step().routes if recorder is not None else None  # (B, N, L, K)
@@ -334,26 +332,36 @@ class TorchEngine:
         joining: list[tuple[EngineSequence, Any, int]] = []
         for b, (seq, prompt, hit) in enumerate(zip(seqs, prompts, hits, strict=True)):
             try:
-                new = len(prompt) - (hit.length if hit is not None else 0)
-                self.prefilled_tokens += new
-                if routes is not None:
-                    fed = routes[b, routes.shape[1] - new:]  # (new, L, K)
-                    seq.routes.append(fed if hit is None or hit.routes is None
-                                      else torch.cat([hit.routes, fed]))
                 row = (cache_kv(out.past_key_values) if len(seqs) == 1
                        else joined_row_kv(out.past_key_values, b, inputs))
-                if self._first_token(seq, prompt, row, (tokens[b], chosen[b], dists[b])):
+                if self._first_token(seq, prompt, hit, None if routes is None else routes[b],
+                                     row, (tokens[b], chosen[b], dists[b])):
                     joining.append((seq, row, len(prompt)))
             except Exception as exc:  # this request fails; the others join
                 log.exception("prefill failed")
                 seq.send(EngineError(f"prefill failed: {exc}"))
-        self._rows += [seq for seq, _, _ in joining]
-        self._batch.extend([(row, length) for _, row, length in joining])
+        self._join(joining)
 
-    def _first_token(self, seq: EngineSequence, prompt: list[int], row: Any,
+    def _lookup(self, seqs: list[EngineSequence]) -> tuple[list[list[int]],
+                                                            list[PrefixHit | None]]:
+        """Each request's prompt, and its longest cached prefix (None: none, or no cache)."""
+        prompts = [list(seq.request.prompt_token_ids) for seq in seqs]
+        return prompts, [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
+                         for p in prompts]
+
+    def _first_token(self, seq: EngineSequence, prompt: list[int], hit: PrefixHit | None,
+                     routes: torch.Tensor | None, row: Any,
                      sampled: tuple[int, float, torch.Tensor]) -> bool:
-        """A prefilled request: cache its keys/values (`row`, per layer (1, H, P, D) over
-        the prompt), take its first token (`sampled`); True unless that finished it."""
+        """A prefilled request: count the tokens fed past its cached prefix (`hit`), record
+        their experts (the last of `routes`, (n, L, K), after the prefix's), cache its
+        keys/values (`row`, per layer (1, H, P, D) over the prompt), take its first token
+        (`sampled`); True unless that finished it."""
+        new = len(prompt) - (hit.length if hit is not None else 0)
+        self.prefilled_tokens += new
+        if routes is not None:
+            fed = routes[len(routes) - new:]
+            seq.routes.append(fed if hit is None or hit.routes is None
+                              else torch.cat([hit.routes, fed]))
         seq.weights_epoch = self._weights_epoch
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, row, torch.cat(seq.routes) if seq.routes else None)
@@ -380,9 +388,7 @@ class TorchEngine:
         unfinished join the batch. If it fails, the joining requests are prefilled on their
         own (the model's forward, one by one if need be) and the rows decode as usual."""
         rows, joining, self._joining = self._rows, self._joining, []
-        prompts = [list(seq.request.prompt_token_ids) for seq in joining]
-        hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else None
-                for p in prompts]
+        prompts, hits = self._lookup(joining)
         try:
             step = self._decoder.mixed(  # type: ignore[union-attr]
                 [s.tokens[-1] for s in rows], self._batch,
@@ -403,16 +409,15 @@ class TorchEngine:
         tokens, chosen, dists = sampled
         joined: list[tuple[EngineSequence, Any, int]] = []
         for i, (seq, prompt, hit) in enumerate(zip(joining, prompts, hits, strict=True)):
-            b = len(rows) + i
-            self.prefilled_tokens += len(prompt) - (hit.length if hit is not None else 0)
-            fed = step.joined_routes[i]
-            if fed is not None:
-                seq.routes.append(fed if hit is None or hit.routes is None
-                                  else torch.cat([hit.routes, fed]))
-            row = step.joined_kv[i]
-            if self._first_token(seq, prompt, row, (tokens[b], chosen[b], dists[b])):
+            b, row = len(rows) + i, step.joined_kv[i]
+            if self._first_token(seq, prompt, hit, step.joined_routes[i], row,
+                                 (tokens[b], chosen[b], dists[b])):
                 joined.append((seq, row, len(prompt)))
         self._keep(keep)
+        self._join(joined)
+
+    def _join(self, joined: list[tuple[EngineSequence, Any, int]]) -> None:
+        """Prefilled requests join the batch: (request, its keys/values, prompt length)."""
         self._rows += [seq for seq, _, _ in joined]
         self._batch.extend([(row, length) for _, row, length in joined])
 
