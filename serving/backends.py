@@ -23,4 +23,4 @@ def build_engine(settings: EngineSettings, model_dir: Path, *, version_number: i
                             threads=settings.threads, max_batch=settings.max_batch,
                             batch_invariant=batch_invariant,
                             prefix_cache_tokens=settings.prefix_cache_tokens,
-                            compile=settings.compile)
+                            compile=settings.compile, onednn=settings.onednn)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
+
+T = TypeVar("T")
 
 
 class EngineSettings(BaseModel):
@@ -20,6 +24,11 @@ class EngineSettings(BaseModel):
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a
     # conversation's next turn). 0: off; excludes bitwise batch invariance (docs/serving.md)
     prefix_cache_tokens: int = Field(default=0, ge=0)
+    # torch backend, float32 on a CPU: the lean step's GEMMs on oneDNN copies of the weights
+    # (serving.decode.OneDnnWeights). auto: where a model of SMALL_MODEL_PARAMS or more gets
+    # them faster than from torch's BLAS on this host, measured at load (1.6-1.8x on an AMD
+    # EPYC host; slower on an Intel Xeon one, whose MKL is already fast)
+    onednn: Literal["auto", "on", "off"] = "auto"
     # torch backend: compile the lean decode step (serving/decode.py) with torch.compile at
     # start-up (tens of seconds, less once inductor's cache is warm; eager where it fails):
     # ~2.5x the tokens/s of one request on the default model, none at 32 (docs/serving.md)
@@ -44,3 +53,32 @@ def default_threads(model: Any) -> int | None:
     on_cpu = next(model.parameters()).device.type == "cpu"
     small = sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
     return 1 if on_cpu and small else None
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """`fn()` run on a new thread that ends when it returns; its result, or its exception.
+
+    For heavy torch work (loading a model, preparing a swap) in a process whose engine thread
+    runs torch's intra-op threads. torch's OpenMP (libgomp) gives each thread that runs a
+    parallel region a pool of workers that lives as long as that thread, and while more such
+    workers exist than CPUs, every pool's workers sleep between regions instead of
+    spin-waiting for the next: each of the hundreds of small parallel ops of a decode step
+    then pays for waking them. Measured on 2 cores: the ~124M model's compiled one-row step,
+    8 ms on an engine thread alone, 13 ms once the main thread had run one parallel op. A
+    thread that ends takes its pool with it.
+    """
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="torch-work")
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]

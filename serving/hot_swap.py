@@ -27,6 +27,7 @@ from kernels.delta import DeltaVerificationError, commit, prepare
 from kernels.delta.chain import ChainStep, ReleaseInfo, apply_chain, plan_chain
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
+from serving.config import on_own_thread
 from serving.engine import ModelVersion, SwapRecord, SwapTiming
 
 Weights = MutableMapping[str, torch.Tensor]
@@ -103,7 +104,8 @@ def prepare_swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVers
     base = engine.version
     live = live_weights(engine, timeout_s) if live is None else live
     steps = plan(store, base, version.number)
-    commit_fn = prepare_commit(store, live, steps, version.sha256)
+    commit_fn = on_own_thread(  # torch work: keep the caller's thread free of an OpenMP pool
+        lambda: prepare_commit(store, live, steps, version.sha256))
     return PreparedSwap(base, version, len(steps), time.perf_counter() - started, commit_fn,
                         live)
 

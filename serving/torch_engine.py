@@ -39,8 +39,8 @@ import torch
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
 from serving.batching import PaddedKVBatch, cache_kv, joined_row_kv, prefill_inputs
-from serving.config import default_threads
-from serving.decode import Joining, decode, lean_decoder
+from serving.config import default_threads, on_own_thread
+from serving.decode import Joining, OneDnnMode, decode, lean_decoder
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -73,7 +73,8 @@ class TorchEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0, seed: int = 0,
                  max_batch: int = 32, batch_invariant: bool = False,
-                 prefix_cache_tokens: int = 0, compile: bool = False) -> None:
+                 prefix_cache_tokens: int = 0, compile: bool = False,
+                 onednn: OneDnnMode = "auto") -> None:
         if batch_invariant and prefix_cache_tokens:
             raise ValueError("prefix caching reuses keys/values from other forward passes, so "
                              "it cannot be bitwise batch-invariant: choose one")
@@ -98,7 +99,8 @@ class TorchEngine:
         self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
         self._pending_swap: _Swap | None = None
         self._batch = PaddedKVBatch()
-        self._decoder = lean_decoder(self.model, batch_invariant=batch_invariant)
+        self._decoder = lean_decoder(self.model, batch_invariant=batch_invariant,
+                                     onednn=onednn)
         self._compile = compile and self._decoder is not None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._weights_epoch = 0  # bumped by every call or swap that may change the weights
@@ -113,20 +115,24 @@ class TorchEngine:
     def load(cls, model_dir: Path, *, version_number: int = 0, seed: int = 0,
              threads: int | None = None, max_batch: int = 32,
              batch_invariant: bool = False, prefix_cache_tokens: int = 0,
-             compile: bool = False) -> TorchEngine:
+             compile: bool = False, onednn: OneDnnMode = "auto") -> TorchEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         if not (model_dir / "config.json").exists():
             raise EngineError(f"no Hugging Face model in {model_dir} (run `flywheel init-model`)")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        if threads := threads or default_threads(model):
-            torch.set_num_threads(threads)
-        return cls(model, tokenizer, version_number=version_number, seed=seed,
-                   max_batch=max_batch, batch_invariant=batch_invariant,
-                   prefix_cache_tokens=prefix_cache_tokens, compile=compile)
+
+        def build() -> TorchEngine:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if n := threads or default_threads(model):
+                torch.set_num_threads(n)
+            return cls(model, tokenizer, version_number=version_number, seed=seed,
+                       max_batch=max_batch, batch_invariant=batch_invariant,
+                       prefix_cache_tokens=prefix_cache_tokens, compile=compile,
+                       onednn=onednn)
+        return on_own_thread(build)  # keeps the caller's thread free of torch's OpenMP pool
 
     @property
     def version(self) -> ModelVersion:

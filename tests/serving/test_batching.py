@@ -84,15 +84,13 @@ def test_requests_that_arrive_together_are_prefilled_together_and_match_alone(
     assert wait_idle(engine)
 
 
-def test_weights_written_between_steps_are_what_the_next_steps_use(
-        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_written_between_steps_are_what_the_next_steps_use(model_dir: Path) -> None:
     """Six rows at once: the lean step's GEMMs run on its oneDNN copies of the weights, which
     a write through the engine (a swap, a load) must replace."""
     from transformers import AutoModelForCausalLM
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr("serving.decode.SMALL_MODEL_PARAMS", 0)  # copies for the small model
 
     new = {k: v * 1.25 for k, v in AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32).state_dict().items()}
@@ -102,7 +100,8 @@ def test_weights_written_between_steps_are_what_the_next_steps_use(
     async def together(engine: TorchEngine) -> list[GenerationResult]:
         return list(await asyncio.gather(*(engine.generate(r) for r in greedy)))
 
-    engine, fresh = TorchEngine.load(model_dir, max_batch=8), TorchEngine.load(model_dir)
+    engine = TorchEngine.load(model_dir, max_batch=8, onednn="on")  # copies, small as it is
+    fresh = TorchEngine.load(model_dir)
     try:
         before = asyncio.run(together(engine))
         engine.call_between_steps(lambda model: model.load_state_dict(new)).result()
@@ -215,3 +214,25 @@ def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
         assert torch.equal(ka, kb) and torch.equal(va, vb)
         keys, values = together.row_kv(len(start))[0]  # the first new row: 3 real columns
         assert keys.shape == (1, 2, 3, 4) and (keys == 1.0).all() and (values == -1.0).all()
+
+
+def test_torch_work_on_its_own_thread_returns_or_raises_and_the_thread_ends() -> None:
+    """serving.config.on_own_thread: what TorchEngine.load and a swap's preparation run on,
+    so that no long-lived thread but the engine's keeps a pool of torch's OpenMP workers."""
+    import threading
+
+    from serving.config import on_own_thread
+
+    ran: list[threading.Thread] = []
+
+    def work() -> float:
+        ran.append(threading.current_thread())
+        return float(torch.ones(64, 1024).sum())
+
+    def fail() -> None:
+        raise ValueError("bad input")
+
+    assert on_own_thread(work) == 64 * 1024
+    assert ran[0] is not threading.current_thread() and not ran[0].is_alive()
+    with pytest.raises(ValueError, match="bad input"):
+        on_own_thread(fail)

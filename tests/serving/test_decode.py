@@ -14,7 +14,7 @@ import torch
 
 from kernels.moe_replay import capture_routes
 from serving.batching import PaddedKVBatch, cache_kv
-from serving.decode import Joining, Qwen3MoeDecoder, decode, lean_decoder
+from serving.decode import Joining, OneDnnWeights, Qwen3MoeDecoder, decode, lean_decoder
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +32,27 @@ def batch_of(model, prompts: list[list[int]]) -> PaddedKVBatch:
     return batch
 
 
-@pytest.fixture(params=[False, True], ids=["blas", "onednn"])
-def onednn(request, monkeypatch) -> bool:
-    """With True, the default model (too small for them by default) gets oneDNN copies."""
-    if request.param:
-        if not torch.backends.mkldnn.is_available():
-            pytest.skip("this torch build has no oneDNN")
-        monkeypatch.setattr("serving.decode.SMALL_MODEL_PARAMS", 0)
+@pytest.fixture(params=["off", "on"], ids=["blas", "onednn"])
+def onednn(request) -> str:
+    """The lean step's `onednn` mode: "on" gives the default model oneDNN copies, which
+    "auto" leaves to models of 20M parameters or more where they measure faster."""
+    if request.param == "on" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
     return request.param
 
 
+def test_a_small_model_gets_no_onednn_copies_unless_asked(model) -> None:
+    assert OneDnnWeights.for_model(model) is None  # "auto": too small to gain
+    assert OneDnnWeights.for_model(model, "off") is None
+    if torch.backends.mkldnn.is_available():
+        assert OneDnnWeights.for_model(model, "on") is not None
+
+
 @pytest.mark.parametrize("rows", [1, 6])
-def test_lean_step_matches_the_model_forward(model, rows: int, onednn: bool) -> None:
-    decoder = lean_decoder(model)
+def test_lean_step_matches_the_model_forward(model, rows: int, onednn: str) -> None:
+    decoder = lean_decoder(model, onednn=onednn)
     assert isinstance(decoder, Qwen3MoeDecoder)
-    assert (decoder.onednn is not None) == onednn
+    assert (decoder.onednn is not None) == (onednn == "on")
     prompts = [[5 + r, 40, 41, 300 + r, 7][: 2 + r % 4] * (1 + r % 2) for r in range(rows)]
     with torch.inference_mode(), capture_routes(model) as recorder:
         ours, theirs = batch_of(model, prompts), batch_of(model, prompts)
@@ -68,9 +74,9 @@ def test_lean_step_matches_the_model_forward(model, rows: int, onednn: bool) -> 
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5])
-def test_mixed_step_matches_the_model_decode_and_prefill(model, rows: int, onednn: bool) -> None:
-    decoder = lean_decoder(model)
-    assert decoder is not None and (decoder.onednn is not None) == onednn
+def test_mixed_step_matches_the_model_decode_and_prefill(model, rows: int, onednn: str) -> None:
+    decoder = lean_decoder(model, onednn=onednn)
+    assert decoder is not None and (decoder.onednn is not None) == (onednn == "on")
     prompts = [[5 + r, 40, 41, 300 + r, 7][: 2 + r % 4] for r in range(rows)]
     new = [[9, 8, 7, 6, 5, 4, 3], [21, 22], [9, 8, 7, 6, 5, 4, 3, 31, 32]]  # the last: cached
     cached = 7  # the last prompt's first 7 tokens were computed before (the first prompt)
