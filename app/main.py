@@ -40,6 +40,7 @@ def build_services(settings: Settings) -> Services:
     from ingest.session_log import SessionLog
     from ingest.spool import Spool
     from serving.backends import build_engine
+    from serving.config import on_own_thread
     from trainer.init_model import init_model
 
     if settings.kafka_bootstrap is None:
@@ -49,8 +50,9 @@ def build_services(settings: Settings) -> Services:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = make_db_engine(settings.resolved_database_url)
     model_dir = settings.resolved_model_dir
-    if settings.model_dir is None:  # the default model is built on first use
-        init_model(settings.model, model_dir)
+    if settings.model_dir is None:  # the default model is built on first use, on a thread
+        # that ends, as the engine loads (serving.config.on_own_thread says why)
+        on_own_thread(lambda: init_model(settings.model, model_dir))
     engine = build_engine(settings.engine, model_dir, batch_invariant=settings.batch_invariant)
     with Session(db) as session:
         if session.get(ServedVersion, engine.version.number) is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serving.config import EngineSettings
+from serving.config import DEFAULT_PREFIX_CACHE_TOKENS, EngineSettings
 from serving.engine import Engine
 
 
@@ -19,8 +19,12 @@ def build_engine(settings: EngineSettings, model_dir: Path, *, version_number: i
                                batch_invariant=batch_invariant)
     from serving.torch_engine import TorchEngine
 
+    prefix_cache_tokens = settings.prefix_cache_tokens
+    if prefix_cache_tokens is None:  # on by default, but never with bitwise batch invariance
+        prefix_cache_tokens = 0 if batch_invariant else DEFAULT_PREFIX_CACHE_TOKENS
+
     return TorchEngine.load(model_dir, version_number=version_number, seed=settings.seed,
                             threads=settings.threads, max_batch=settings.max_batch,
                             batch_invariant=batch_invariant,
-                            prefix_cache_tokens=settings.prefix_cache_tokens,
+                            prefix_cache_tokens=prefix_cache_tokens,
                             compile=settings.compile, onednn=settings.onednn)

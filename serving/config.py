@@ -22,8 +22,9 @@ class EngineSettings(BaseModel):
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
     seed: int = 0
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a
-    # conversation's next turn). 0: off; excludes bitwise batch invariance (docs/serving.md)
-    prefix_cache_tokens: int = Field(default=0, ge=0)
+    # conversation's next turn, the same prompt again), in tokens. None: DEFAULT_PREFIX_CACHE_
+    # TOKENS, or off with bitwise batch invariance, which it excludes; 0: off (docs/serving.md)
+    prefix_cache_tokens: int | None = Field(default=None, ge=0)
     # torch backend, float32 on a CPU: the lean step's GEMMs on oneDNN copies of the weights
     # (serving.decode.OneDnnWeights). auto: where a model of SMALL_MODEL_PARAMS or more gets
     # them faster than from torch's BLAS on this host, measured at load (1.6-1.8x on an AMD
@@ -38,6 +39,11 @@ class EngineSettings(BaseModel):
     # sized in GiB instead (FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB).
     vllm_gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0)
+
+
+# The torch engine's prefix cache when settings leave it unset (as vLLM's server caches prefixes
+# by default): ~64 MB of keys/values for the default model, ~200 MB for the ~124M one.
+DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
 
 # Below this many parameters a CPU decode step is hundreds of tiny ops: splitting each over
