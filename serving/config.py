@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -73,18 +73,5 @@ def on_own_thread(fn: Callable[[], T]) -> T:
     8 ms on an engine thread alone, 13 ms once the main thread had run one parallel op. A
     thread that ends takes its pool with it.
     """
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # handed to the caller
-            box.append((False, exc))
-
-    thread = threading.Thread(target=run, name="torch-work")
-    thread.start()
-    thread.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch-work") as pool:
+        return pool.submit(fn).result()  # leaving the block joins the thread
