@@ -192,15 +192,13 @@ def main() -> int:
             p50_on, p50_off = pct(on, 50), pct(off, 50)
             print(f"p50 at c=8: logging on {p50_on:.1f} ms, off {p50_off:.1f} ms", flush=True)
             real_log.flush(timeout_s=30)
+            result["threads"] = services.engine.threads  # serving.config.default_threads
         finally:
             server.should_exit = True
             thread.join(timeout=30)
             from app.main import close_services
 
             close_services(services)
-    import torch
-
-    result["threads"] = torch.get_num_threads()  # the engine's (serving.config.default_threads)
     result["compile"] = settings.engine.compile
     rate, times = fastest_baseline(settings.resolved_model_dir, args.baseline_requests,
                                    args.max_tokens)

@@ -107,6 +107,7 @@ class TorchEngine:
         self.prefilled_tokens = 0  # prompt tokens fed through the model (cached ones are not)
         self._closed, self._started = threading.Event(), threading.Event()
         self.on_step: Callable[[int], None] | None = None  # called with the decode batch size
+        self.threads = 0  # torch intra-op threads of the engine thread, read when it starts
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
         self._started.wait()  # the step compiled (on the thread that runs it), if asked
@@ -211,6 +212,7 @@ class TorchEngine:
     def _run(self) -> None:
         from kernels.moe_replay import capture_routes, find_routers
 
+        self.threads = torch.get_num_threads()
         if self._compile:
             self._decoder.compile()  # type: ignore[union-attr]
         self._started.set()

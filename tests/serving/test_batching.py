@@ -49,6 +49,12 @@ def engine(model_dir: Path):
     e.close()
 
 
+def test_a_small_model_is_served_on_one_torch_thread(engine: TorchEngine) -> None:
+    """serving.config.default_threads, as the engine thread sees it (the load ran on a thread
+    that ended, so the setting must reach the engine's own)."""
+    assert engine.threads == 1
+
+
 def test_batched_requests_match_running_alone(engine: TorchEngine) -> None:
     alone = [asyncio.run(engine.generate(request(i))) for i in range(6)]
     together = asyncio.run(staggered(engine, 6))  # 6 requests, 4 rows: some wait, then join
