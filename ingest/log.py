@@ -15,7 +15,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from kafka import (
     ConsumerRebalanceListener,
@@ -26,6 +26,7 @@ from kafka import (
 )
 from kafka.admin import NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import TopicAlreadyExistsError
 from kafka.partitioner.abc import Partitioner
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -221,13 +222,18 @@ class EventConsumer:
     `poll()` returns decoded records and sends undecodable ones to the DLQ (waiting for the
     DLQ ack before they count as handled); `commit()` commits what `poll()` returned.
     `on_assigned` / `on_revoked` hooks run inside `poll()` when the group rebalances.
+    `assignment`: how the group shares partitions. "range" (default) gives partition p of every
+    topic to the same member, which keeps co-partitioned topics (sessions, feedback) together;
+    "roundrobin" deals one topic's partitions out in turn (0, 2, 4 to one of two members),
+    for work spread over consecutive partitions. Every member of a group must use the same.
     `options` go to `KafkaConsumer` (say, `fetch_max_wait_ms` for a latency-bound consumer).
     """
 
     def __init__(self, config: KafkaConfig, *, group_id: str,
                  types: Mapping[str, type[BaseModel]], dlq: EventProducer | None,
                  name: str | None = None, auto_offset_reset: str = "earliest",
-                 max_poll_records: int = 500, **options: Any) -> None:
+                 max_poll_records: int = 500,
+                 assignment: Literal["range", "roundrobin"] = "range", **options: Any) -> None:
         self.config = config
         self.types = dict(types)
         self.name = name or group_id
@@ -241,9 +247,8 @@ class EventConsumer:
             heartbeat_interval_ms=config.heartbeat_interval_ms,
             request_timeout_ms=max(config.request_timeout_ms, config.session_timeout_ms + 5000),
             max_poll_records=max_poll_records,
-            # range: partition p of every topic goes to the same member, which keeps
-            # co-partitioned topics (sessions, feedback) together
-            partition_assignment_strategy=(RangePartitionAssignor,), **options)
+            partition_assignment_strategy=(RangePartitionAssignor if assignment == "range"
+                                           else RoundRobinPartitionAssignor,), **options)
         self._consumer.subscribe(list(self.types), listener=_Hooks(self))
         self.dead_letters = 0
 

@@ -8,7 +8,9 @@
 - `RolloutFleet` issues `RolloutJob`s and admits the `RolloutGroup`s that come back.
   Bounded staleness is admission control at the source: the jobs of step k (min_version
   k - max_staleness) are issued only once that version has been announced, so every job in
-  flight can be made at once, and no group is made that could only be discarded. A group is
+  flight can be made at once, and no group is made that could only be discarded. Jobs go
+  out from the publisher's thread the moment a version is announced (the trainer may be in
+  the middle of a step then), and again whenever the trainer waits for groups. A group is
   admitted once per job (a second copy, from a worker that died before committing its job
   and the member that remade it, is dropped by job id); one older than its job allows is
   discarded with the reason and its slot issued again as a new job. The ledger says how
@@ -130,6 +132,8 @@ class PolicyPublisher:
         self._deltas: list[int] = []  # versions stored as deltas, after that snapshot
         self._error: BaseException | None = None
         self._closed = False
+        # called on the publisher's thread with each version right after it is announced
+        self.on_announced: list[Callable[[int], None]] = []
         self._thread = threading.Thread(target=self._run, name="policy-publisher", daemon=True)
 
     @property
@@ -207,6 +211,8 @@ class PolicyPublisher:
         with self._cond:
             self._announced = version
             self._cond.notify_all()
+        for hook in self.on_announced:
+            hook(version)
 
     def _prune(self, snapshot: int) -> None:
         """`snapshot` was just stored: drop the older snapshot and every delta, so the store
@@ -257,6 +263,9 @@ class RolloutFleet:
         self.health = health  # raises when the workers are gone (LocalWorkers.check)
         self.ledger = Ledger()
         self.idle_s = 0.0  # the trainer's wait in take_step
+        # jobs go out from the trainer's thread and the publisher's (`_on_announced`)
+        self._lock = threading.Lock()
+        self._closed = False
         self._rng = random.Random(cfg.seed)
         self._next_slot = first_step * cfg.groups_per_step
         self._reissues = 0
@@ -269,6 +278,7 @@ class RolloutFleet:
         self._groups.seek_to_end(*parts)  # this run's groups come after this point
         for p in parts:
             self._groups.position(p)  # resolve the end now, before any job goes out
+        publisher.on_announced.append(self._on_announced)
 
     def min_version(self, step: int) -> int:
         return max(self.first_step, step - self.cfg.staleness)
@@ -293,6 +303,9 @@ class RolloutFleet:
     def close(self, jobs_path: Path | None = None) -> dict[str, Any]:
         """Stop; every job not admitted by now is discarded ("run ended"). Returns the
         ledger's summary; writes each job's end to `jobs_path` (JSON lines)."""
+        self.publisher.on_announced.remove(self._on_announced)
+        with self._lock:
+            self._closed = True
         ledger = self.ledger
         for job_id in ledger.issued:
             if job_id not in ledger.admitted and job_id not in ledger.discarded:
@@ -310,16 +323,27 @@ class RolloutFleet:
         return ledger.summary()
 
     # ---- jobs out --------------------------------------------------------------------------
+    def _on_announced(self, version: int) -> None:
+        """On the publisher's thread: the jobs `version` lets start go out now rather than
+        when the trainer next waits for groups, which it may not do for a whole step. A failure
+        here is only logged: the trainer's own `_issue` tries again and raises."""
+        try:
+            self._issue()
+        except Exception:
+            log.warning("jobs for v%d not issued on announcing it; the trainer will", version,
+                        exc_info=True)
+
     def _issue(self) -> None:
         """Issue every slot whose step may start on the announced version."""
         gps = self.cfg.groups_per_step
         sent = False
-        while (self._next_slot < self.end_slot
-               and self._next_slot // gps - self.cfg.staleness <= self.publisher.announced):
-            slot = self._next_slot
-            self._next_slot += 1
-            self._send(slot // gps, slot, f"{self.run_id}-{slot}")
-            sent = True
+        with self._lock:
+            while (not self._closed and self._next_slot < self.end_slot
+                   and self._next_slot // gps - self.cfg.staleness <= self.publisher.announced):
+                slot = self._next_slot
+                self._next_slot += 1
+                self._send(slot // gps, slot, f"{self.run_id}-{slot}")
+                sent = True
         if sent:
             self._producer.flush(self.kafka.delivery_timeout_ms / 1000)
 
@@ -335,7 +359,8 @@ class RolloutFleet:
                                                   context_budget=cfg.context_budget))
         self.ledger.issued[job_id] = job
         self._step_of[job_id] = (step, slot)
-        # slots round-robin over the partitions: consecutive jobs go to different workers
+        # slots round-robin over the partitions, which the workers' group deals out in turn
+        # (simulate/fleet.py): consecutive jobs go to different workers
         self._producer.send_raw(self.kafka.topics.rollout_jobs, job_id, encode(job),
                                 partition=slot % self._partitions)
 
@@ -351,7 +376,8 @@ class RolloutFleet:
                         topic=tp.topic, partition=tp.partition, offset=rec.offset,
                         key=rec.key, raw=raw, reason=str(exc), consumer="bootstrap"))
                     continue
-                self._admit(group)
+                with self._lock:
+                    self._admit(group)
 
     def _admit(self, group: RolloutGroup) -> None:
         ledger, job_id = self.ledger, group.job_id or ""
