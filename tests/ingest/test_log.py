@@ -87,3 +87,26 @@ def test_deliver_lands_each_record_on_its_key_partition_in_order(kafka: KafkaCon
     finally:
         consumer.close()
     assert all(at[(m.partition, m.offset)] == v for (_, v), m in zip(records, acked, strict=True))
+
+
+def test_roundrobin_assignment_deals_a_topics_partitions_out_in_turn(kafka: KafkaConfig) -> None:
+    """Two members of a "roundrobin" group over six partitions hold 0, 2, 4 and 1, 3, 5: work
+    spread over consecutive partitions splits evenly (by range they would hold 0-2 and 3-5)."""
+    topic = f"dealt-{uuid.uuid4().hex[:6]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    admin.create_topics([NewTopic(topic, 6, 1)])
+    admin.close()
+    group = f"test-{uuid.uuid4().hex[:6]}"
+    members = [EventConsumer(kafka, group_id=group, types={topic: FeedbackReceived}, dlq=None,
+                             assignment="roundrobin") for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        held: list[set[int]] = [set(), set()]
+        while time.monotonic() < deadline and sorted(len(h) for h in held) != [3, 3]:
+            for member in members:  # both poll, so both take part in the group's join
+                member.poll(timeout_ms=200)
+            held = [{tp.partition for tp in m.assignment()} for m in members]
+        assert sorted(held, key=min) == [{0, 2, 4}, {1, 3, 5}]
+    finally:
+        for member in members:
+            member.close()
