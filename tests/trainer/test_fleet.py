@@ -37,9 +37,8 @@ def test_a_steps_jobs_go_out_when_the_version_they_need_is_announced(
         assert steps_out() == {}  # v0 was announced before the fleet; nobody has waited yet
         publisher.publish(1, {"w": torch.ones(8)})
         # v1 lets steps 0-2 start (step - staleness <= 1); the trainer never called take_step
-        out = wait_for(lambda: (s := steps_out()) and len(s.get(2, [])) == 4 and s,
-                       "the jobs v1 lets start")
-        assert out == {0: [0] * 4, 1: [0] * 4, 2: [1] * 4}
+        wait_for(lambda: len(steps_out().get(2, [])) == 4, "the jobs v1 lets start")
+        assert steps_out() == {0: [0] * 4, 1: [0] * 4, 2: [1] * 4}
         assert fleet.ledger.summary()["issued"] == 12
     finally:
         fleet.close()
