@@ -1,12 +1,13 @@
 """A left-padded batch KV cache that rows join and leave between decode steps.
 
 Continuous batching: every active request is one row of per-layer keys/values (B, H, S, D),
-left-padded to a common length S, in a store with spare columns that decode steps write into in
-place (serving/decode.py's lean step, or Hugging Face's forward on a `DynamicCache` view).
-`mask` (B, S) marks real columns; `positions` (B,) is each row's next position id, so RoPE sees
-true positions whatever the padding. A new row (its own prefill cache, no padding) joins by
-left-padding whichever side is shorter; finished rows leave with `index_select`; columns that
-are padding in every remaining row are trimmed off the left. Padded keys/values are zeros and
+left-padded to a common length S, in a store with spare rows and columns that decode steps and
+joining rows write into in place (serving/decode.py's lean step, or Hugging Face's forward on a
+`DynamicCache` view). `mask` (B, S) marks real columns; `positions` (B,) is each row's next
+position id, so RoPE sees true positions whatever the padding. A new row (its own prefill cache,
+no padding) is written into a free row, right-aligned (a longer one widens the batch to the
+left); finished rows leave, and rows from the end move into their places; columns that are
+padding in every remaining row are trimmed off the left. Padded keys/values are zeros and
 masked out, so a row's attention never reads another row's or a pad's values.
 
 Requests that arrive together are prefilled in one forward (`prefill_inputs`): each row's cached
@@ -40,18 +41,23 @@ def _left_pad(x: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def _spare(width: int) -> int:
-    """Free columns a new store keeps after `width` live ones: decode steps write there in
-    place until it fills (then the store is copied once into a bigger one)."""
+    """Free columns a new store keeps on each side of `width` live ones: decode steps write
+    into those after them in place, rows longer than the batch widen it into those before,
+    until they run out (then the store is copied once into a bigger one)."""
     return max(64, width // 2)
 
 
 class PaddedKVBatch:
     """The shared cache of all active rows (see module doc). Rows are indexed 0..B-1.
 
-    Each layer's keys and values live in a store (B, H, C, D) with C >= the live width: the
-    live columns are `[start, start + width)`, a decode step writes its column right after
-    them in place (`step_kv`), and trimming the left is moving `start`. The store is copied
-    only when rows join or leave, or when its spare columns run out."""
+    Each layer's keys and values live in a store (R, H, C, D) with room for more rows than
+    are live (R >= B) and free columns on both sides of the live ones: the live columns are
+    `[start, start + width)`, a decode step writes its column right after them in place
+    (`step_kv`), and trimming the left is moving `start`. A joining row is written into the
+    next free row, right-aligned, with its padding zeroed; one longer than the batch widens it
+    into the free columns on the left (zeroed for the other rows). Rows that leave are filled
+    by rows from the end (`compact_order`). So a step copies only the rows that join or move;
+    the store is copied when it runs out of rows or columns (then with room to spare)."""
 
     def __init__(self) -> None:
         self._keys: list[torch.Tensor] = []
@@ -69,40 +75,56 @@ class PaddedKVBatch:
 
     def kv(self) -> KV:
         """Every layer's live keys/values (B, H, S, D): views into the store."""
-        end = self._start + self.width
-        return [(k[:, :, self._start:end], v[:, :, self._start:end])
+        rows, end = len(self), self._start + self.width
+        return [(k[:rows, :, self._start:end], v[:rows, :, self._start:end])
                 for k, v in zip(self._keys, self._values, strict=True)]
 
-    def _restore(self, kv: KV, spare: int) -> None:
-        """Copy `kv` (live columns only) into a new store with `spare` free columns."""
-        self._keys, self._values, self._start = [], [], 0
-        for keys, values in kv:
-            b, h, s, d = keys.shape
-            self._keys.append(keys.new_zeros(b, h, s + spare, d))
-            self._values.append(values.new_zeros(b, h, s + spare, d))
-            self._keys[-1][:, :, :s] = keys
-            self._values[-1][:, :, :s] = values
+    def _restore(self, template: KV, *, rows: int, width: int) -> None:
+        """A new store with room for `rows` rows and `width` live columns (free columns on
+        both sides), the live rows copied in, right-aligned and left-padded with zeros;
+        `template`: a layer's keys/values of the right head count and size."""
+        live, left = self.kv(), _spare(width)
+        columns = left + width + _spare(width)
+
+        def store(like: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+            new = like.new_empty(rows, like.shape[1], columns, like.shape[3])
+            if old is not None:
+                b, s = old.shape[0], old.shape[2]
+                new[:b, :, left:left + width - s] = 0
+                new[:b, :, left + width - s:left + width] = old
+            return new
+
+        olds: list[tuple[Any, Any]] = list(live) or [(None, None)] * len(template)
+        self._keys = [store(k, old) for (k, _), (old, _) in zip(template, olds, strict=True)]
+        self._values = [store(v, old) for (_, v), (_, old) in zip(template, olds, strict=True)]
+        self._start = left
 
     def add(self, row_kv: KV, length: int) -> None:
         """Append one row: `row_kv` per layer (1, H, length, D), all real tokens."""
         self.extend([(row_kv, length)])
 
     def extend(self, rows: Sequence[tuple[KV, int]]) -> None:
-        """Append rows, each (per-layer keys/values (1, H, n, D), n real tokens), copying the
-        batch once."""
+        """Append rows after the live ones, each (per-layer keys/values (1, H, n, D), n real
+        tokens), copying only them unless the store must grow."""
         if not rows:
             return
         lengths = [length for _, length in rows]
-        parts = list(rows)
-        if len(self):
-            parts.insert(0, (self.kv(), self.width))
-        width = max(length for _, length in parts)
-        joined = [(torch.cat([_left_pad(kv[i][0], width - n) for kv, n in parts]),
-                   torch.cat([_left_pad(kv[i][1], width - n) for kv, n in parts]))
-                  for i in range(len(parts[0][0]))]
-        self._restore(joined, _spare(width))
+        old, live = self.width, len(self)
+        width, need = max(old, *lengths), live + len(rows)
+        if not self._keys or need > self._keys[0].shape[0] or width - old > self._start:
+            self._restore(rows[0][0], rows=need + max(4, need // 2), width=width)
+        elif width > old:  # widen into the free columns on the left: padding for live rows
+            self._start -= width - old
+            for store in (*self._keys, *self._values):
+                store[:live, :, self._start:self._start + width - old] = 0
+        start, end = self._start, self._start + width
+        for b, (kv, n) in enumerate(rows, start=live):
+            for layer, (k, v) in enumerate(kv):
+                for store, x in ((self._keys[layer], k), (self._values[layer], v)):
+                    store[b, :, start:end - n] = 0
+                    store[b, :, end - n:end] = x[0]
         row_masks = [F.pad(torch.ones(1, n, dtype=torch.long), (width - n, 0)) for n in lengths]
-        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), *row_masks])
+        self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), *row_masks])
         self.positions = torch.cat([self.positions, torch.tensor(lengths, dtype=torch.long)])
 
     def row_kv(self, row: int) -> KV:
@@ -113,29 +135,35 @@ class PaddedKVBatch:
                 for k, v in self.kv()]
 
     def keep(self, rows: Sequence[int]) -> None:
-        """Keep only `rows` (in that order), then trim columns that are padding everywhere."""
-        if len(rows) == len(self) and list(rows) == list(range(len(self))):
+        """Keep only `rows` (in that order), then trim columns that are padding everywhere.
+        Only the rows that change place are copied (`compact_order` moves fewest)."""
+        rows = list(rows)
+        if rows == list(range(len(self))):
             return
         if not rows:
             self.__init__()  # type: ignore[misc]
             return
-        index = torch.tensor(list(rows), dtype=torch.long)
+        moved = [b for b, row in enumerate(rows) if row != b]
+        if moved:
+            src, dst = torch.tensor([rows[b] for b in moved]), torch.tensor(moved)
+            start, end = self._start, self._start + self.width
+            for store in (*self._keys, *self._values):
+                store[dst, :, start:end] = store[src, :, start:end]  # the source read first
+        index = torch.tensor(rows, dtype=torch.long)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         real_columns = self.mask.any(dim=0).nonzero()
         start = int(real_columns[0]) if len(real_columns) else self.width
         self.mask = self.mask[:, start:]
         self._start += start
-        self._keys = [k.index_select(0, index) for k in self._keys]
-        self._values = [v.index_select(0, index) for v in self._values]
 
     def step_kv(self) -> KV:
         """Views (B, H, S + 1, D) of every layer: the live columns and, last, the free one a
         decode step writes its keys/values into (the store grows first if it has none)."""
         if self._start + self.width == self._keys[0].shape[2]:
-            self._restore(self.kv(), _spare(self.width))
-        end = self._start + self.width + 1
-        return [(k[:, :, self._start:end], v[:, :, self._start:end])
+            self._restore(self.kv(), rows=self._keys[0].shape[0], width=self.width)
+        rows, end = len(self), self._start + self.width + 1
+        return [(k[:rows, :, self._start:end], v[:rows, :, self._start:end])
                 for k, v in zip(self._keys, self._values, strict=True)]
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +188,15 @@ class PaddedKVBatch:
         """Record that the decode step appended one real column to every row."""
         self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
         self.positions = self.positions + 1
+
+
+def compact_order(keep: Sequence[int]) -> list[int]:
+    """`keep` (increasing row indices) in the order `PaddedKVBatch.keep` copies least: the
+    rows already below `len(keep)` stay where they are, and the ones past it fill the holes
+    the others left, in turn."""
+    stay = {row for row in keep if row < len(keep)}
+    movers = iter(row for row in keep if row >= len(keep))
+    return [b if b in stay else next(movers) for b in range(len(keep))]
 
 
 def prefill_inputs(prompts: list[list[int]], hits: list[PrefixHit | None]) -> dict[str, Any]:

@@ -38,7 +38,13 @@ import torch
 
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
-from serving.batching import PaddedKVBatch, cache_kv, joined_row_kv, prefill_inputs
+from serving.batching import (
+    PaddedKVBatch,
+    cache_kv,
+    compact_order,
+    joined_row_kv,
+    prefill_inputs,
+)
 from serving.config import default_threads, on_own_thread
 from serving.decode import Joining, OneDnnMode, decode, lean_decoder
 from serving.engine import (
@@ -445,6 +451,8 @@ class TorchEngine:
         return keep
 
     def _keep(self, keep: list[int]) -> None:
+        """Keep the rows `keep` (increasing), reordered so the batch's store moves fewest."""
+        keep = compact_order(keep)
         self._rows = [self._rows[b] for b in keep]
         self._batch.keep(keep)
 
@@ -464,8 +472,7 @@ class TorchEngine:
         for seq in self._rows:
             if seq.cancelled:
                 seq.finish("cancelled", self._version)
-        self._rows = [self._rows[b] for b in keep]
-        self._batch.keep(keep)
+        self._keep(keep)
 
     def _fail_active(self, exc: Exception) -> None:
         for seq in self._rows:

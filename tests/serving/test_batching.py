@@ -222,6 +222,47 @@ def test_extend_lays_rows_out_as_adding_them_one_by_one() -> None:
         assert keys.shape == (1, 2, 3, 4) and (keys == 1.0).all() and (values == -1.0).all()
 
 
+def test_rows_joining_and_leaving_in_place_match_a_batch_built_afresh() -> None:
+    """Rows join (some longer than the batch, which widens it to the left), decode, and leave
+    from anywhere in `compact_order`, for a few hundred steps: the live keys/values, mask and
+    positions always equal a batch built from scratch out of each row's own tokens, pads zero."""
+    import random
+
+    from serving.batching import compact_order
+
+    rng, batch, made = random.Random(0), PaddedKVBatch(), 0
+    rows: list[list[float]] = []  # each live row's real columns (a value per column)
+
+    def kv_of(values: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x = torch.tensor(values).view(1, 1, -1, 1).expand(1, 2, -1, 3).contiguous()
+        return [(x, -x), (2 * x, -2 * x)]  # two layers
+
+    for _ in range(300):
+        if rows and rng.random() < 0.3:  # some rows finish
+            keep = sorted(rng.sample(range(len(rows)), rng.randint(0, len(rows))))
+            order = compact_order(keep)
+            assert sorted(order) == keep
+            assert all(b == r for b, r in enumerate(order) if r < len(keep))  # those stay
+            batch.keep(order)
+            rows = [rows[b] for b in order]
+        if rng.random() < 0.4:  # some join, any length
+            new = [[float(made := made + 1)] * rng.randint(1, 40) for _ in range(rng.randint(1, 3))]
+            batch.extend([(kv_of(r), len(r)) for r in new])
+            rows += new
+        if rows:  # a decode step
+            for layer, (keys, values) in enumerate(batch.step_kv()):
+                column = torch.tensor([1000.0 + len(r) for r in rows]).view(-1, 1, 1)
+                keys[:, :, -1], values[:, :, -1] = (layer + 1) * column, -(layer + 1) * column
+            batch.advance()
+            rows = [r + [1000.0 + len(r)] for r in rows]
+        fresh = PaddedKVBatch()
+        fresh.extend([(kv_of(r), len(r)) for r in rows])
+        assert batch.mask.tolist() == fresh.mask.tolist()
+        assert batch.positions.tolist() == [len(r) for r in rows]
+        for (ka, va), (kb, vb) in zip(batch.kv(), fresh.kv(), strict=True):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_torch_work_on_its_own_thread_returns_or_raises_and_the_thread_ends() -> None:
     """serving.config.on_own_thread: what TorchEngine.load and a swap's preparation run on,
     so that no long-lived thread but the engine's keeps a pool of torch's OpenMP workers."""
