@@ -4,6 +4,8 @@ Byte-level BPE can split one character over several tokens, so text is decoded o
 window and released only when it no longer ends in a partial character (the offsets scheme
 vLLM and TGI use). Text that could still become a stop string is held back, so a stream never
 shows part of a stop string; the stop string itself is never part of the output (OpenAI).
+A tracker with no stop strings whose caller takes only the whole text (`incremental=False`:
+`Engine.generate`, the rollouts' path) decodes once, at the end.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 class TextTracker:
     """Turns one generation's tokens into text deltas; `stopped` once a stop string appears."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *,
+                 incremental: bool = True) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
+        self._incremental = incremental or bool(self._stop)
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._tokens: list[int] = []
         self._prefix_offset = 0
@@ -32,6 +36,8 @@ class TextTracker:
     def push(self, token: int) -> str:
         """Add one token; return the text that may be shown now."""
         self._tokens.append(token)
+        if not self._incremental:
+            return ""
         prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

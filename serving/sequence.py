@@ -50,7 +50,7 @@ class EngineSequence:
         """A sequence whose deltas go to the running event loop."""
         return cls(request=request, generator=torch.Generator().manual_seed(seed),
                    loop=asyncio.get_running_loop(), out=asyncio.Queue(),
-                   text=TextTracker(tokenizer, request.stop),
+                   text=TextTracker(tokenizer, request.stop, incremental=want_deltas),
                    stop_ids=eos_ids | frozenset(request.stop_token_ids),
                    want_deltas=want_deltas)
 
