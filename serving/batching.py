@@ -35,11 +35,6 @@ def _layers(cache: Any) -> list[Any]:
     return list(cache.layers)
 
 
-def _left_pad(x: torch.Tensor, columns: int) -> torch.Tensor:
-    """Pad (B, H, S, D) with `columns` zero columns on the left of S."""
-    return F.pad(x, (0, 0, columns, 0)) if columns else x
-
-
 def _spare(width: int) -> int:
     """Free columns a new store keeps on each side of `width` live ones: decode steps write
     into those after them in place, rows longer than the batch widen it into those before,
