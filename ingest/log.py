@@ -27,7 +27,7 @@ from kafka import (
 from kafka.admin import NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
 from kafka.partitioner.abc import Partitioner
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -155,8 +155,21 @@ class EventProducer:
         it holds is acknowledged or expired (within the delivery timeout). For a producer
         whose batches expired: the idempotent producer does not recover from that, even once
         the broker is back, so its owner makes a new one."""
-        threading.Thread(target=self._producer.close, name="producer-close", daemon=True,
-                         kwargs={"timeout": self.config.delivery_timeout_ms / 1000}).start()
+        threading.Thread(target=self._close_once_drained, name="producer-close",
+                         daemon=True).start()
+
+    def _close_once_drained(self) -> None:
+        """Close, trying again each delivery timeout while records are still in flight to a
+        broker that does not answer: kafka-python's `close` raises when its flush times out
+        and leaves the producer's sender thread running."""
+        timeout_s = self.config.delivery_timeout_ms / 1000
+        while True:
+            try:
+                self._producer.close(timeout=timeout_s)
+                return
+            except KafkaTimeoutError:
+                log.info("an abandoned producer still has records in flight; closing it "
+                         "again in %.0f s", timeout_s)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+# the producer the freeze made the log abandon closes once the broker is back, quietly
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning",
+                            "error::pytest.PytestUnraisableExceptionWarning")
 def test_fifty_requests_while_the_broker_is_frozen_all_reach_sessions(
         tmp_path: Path, model_dir: Path) -> None:
     broker = EmbeddedBroker.start(log_path=tmp_path / "broker.log")  # ours alone to freeze
