@@ -152,7 +152,8 @@ class EventProducer:
 
     def abandon(self) -> None:
         """Let go of this producer without waiting: a background thread closes it once what
-        it holds is acknowledged or expired (within the delivery timeout). For a producer
+        it holds is acknowledged or expired (`_close_once_drained`; records in flight to a
+        broker that does not answer can outlast one delivery timeout). For a producer
         whose batches expired: the idempotent producer does not recover from that, even once
         the broker is back, so its owner makes a new one."""
         threading.Thread(target=self._close_once_drained, name="producer-close",
