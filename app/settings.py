@@ -32,6 +32,19 @@ from trainer.trackers import TrackerSettings
 Profile = Literal["embedded", "production"]
 
 
+def absolute(path: Path) -> Path:
+    """`path` against this process's working directory, `~` and symbolic links resolved."""
+    return path.expanduser().resolve()
+
+
+def absolute_store_url(url: str) -> str:
+    """A local artifact store (a plain path or a file:// URL) as an absolute path; any other
+    URL as it is."""
+    if "://" in url and not url.startswith("file://"):
+        return url
+    return str(absolute(Path(url.removeprefix("file://"))))
+
+
 class Settings(BaseSettings):
     """Everything a Flywheel process needs to know, validated at start-up."""
 
@@ -87,6 +100,27 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _absolute_paths(self) -> Settings:
+        """Every directory and local store root, made absolute here, once: a relative path
+        means the working directory this process started in, and the processes and threads
+        given these settings (rollout workers, the sandbox, the release pipeline) must not
+        read it against another one or compare it with a resolved one."""
+        self.data_dir = absolute(self.data_dir)
+        self.model_dir = self.model_dir and absolute(self.model_dir)
+        self.artifact_store_url = self.artifact_store_url and absolute_store_url(
+            self.artifact_store_url)
+        self.bootstrap = self.bootstrap.model_copy(update={
+            "run_dir": self.bootstrap.run_dir and absolute(self.bootstrap.run_dir),
+            "policy_store_url": self.bootstrap.policy_store_url and absolute_store_url(
+                self.bootstrap.policy_store_url)})
+        self.online = self.online.model_copy(update={
+            "checkpoint_dir": self.online.checkpoint_dir and absolute(self.online.checkpoint_dir)})
+        self.release = self.release.model_copy(update={
+            "candidate_path": self.release.candidate_path and absolute(
+                self.release.candidate_path)})
+        return self
+
+    @model_validator(mode="after")
     def _prefix_cache_is_not_bitwise(self) -> Settings:
         if self.batch_invariant and self.engine.prefix_cache_tokens:
             raise ValueError("FLYWHEEL_ENGINE__PREFIX_CACHE_TOKENS must be 0 with "
@@ -101,11 +135,11 @@ class Settings(BaseSettings):
 
     @property
     def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
+        return self.database_url or f"sqlite:///{self.data_dir / 'flywheel.db'}"
 
     @property
     def resolved_join_database_url(self) -> str:
-        return self.join.database_url or f"sqlite:///{(self.data_dir / 'join.db').resolve()}"
+        return self.join.database_url or f"sqlite:///{self.data_dir / 'join.db'}"
 
     @property
     def resolved_celery_broker_url(self) -> str:
@@ -117,7 +151,7 @@ class Settings(BaseSettings):
 
     @property
     def resolved_artifact_store_url(self) -> str:
-        return self.artifact_store_url or str((self.data_dir / "artifacts").resolve())
+        return self.artifact_store_url or str(self.data_dir / "artifacts")
 
     def kafka_config(self, bootstrap: str) -> KafkaConfig:
         """Resolve client settings for `bootstrap` (the embedded broker's or the cluster's)."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter
 
 from kernels.delta.chain import ReleaseInfo
 from kernels.delta.manifest import DeltaManifest
@@ -37,7 +37,9 @@ class ArtifactNotFoundError(KeyError):
 
 class LocalStoreConfig(BaseModel):
     kind: Literal["local"] = "local"
-    root: Path
+    # absolute, symbolic links resolved: keys are paths relative to it, and a child process
+    # given this config may start in another working directory
+    root: Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
 
 
 class FsspecStoreConfig(BaseModel):
@@ -109,13 +111,13 @@ class LocalArtifactStore(ArtifactStore):
     """A directory; every write lands under a temporary name and is renamed into place."""
 
     def __init__(self, root: Path):
-        self.root = root
         self.config = LocalStoreConfig(root=root)
-        root.mkdir(parents=True, exist_ok=True)
+        self.root = self.config.root  # absolute: keys are paths relative to it
+        self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root.resolve()):
+        if not path.is_relative_to(self.root):
             raise ValueError(f"key {key!r} leaves the store")
         return path
 
@@ -144,7 +146,7 @@ class LocalArtifactStore(ArtifactStore):
 
     def delete_prefix(self, prefix: str) -> None:
         path = self._path(prefix)
-        if path == self.root.resolve():
+        if path == self.root:
             raise ValueError("refusing to delete the whole store")
         shutil.rmtree(path, ignore_errors=True)
 

@@ -73,3 +73,23 @@ def test_settings_keys_snapshot() -> None:
 if __name__ == "__main__":
     SNAPSHOT.write_text(json.dumps(current_keys(), indent=1) + "\n")
     print(f"wrote {SNAPSHOT}")
+
+
+def test_relative_paths_become_absolute_where_the_settings_are_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative directory means this process's working directory: made absolute once, so
+    a child process or a comparison with a resolved path reads the same place."""
+    monkeypatch.chdir(tmp_path)
+    s = Settings(model_dir="m", artifact_store_url="file://store",
+                 bootstrap={"run_dir": "runs/r", "policy_store_url": "policy"},
+                 online={"checkpoint_dir": "ckpt"}, release={"candidate_path": "c"})
+    cwd = tmp_path.resolve()
+    assert s.data_dir == cwd / "data" and s.model_dir == cwd / "m"
+    assert s.artifact_store_url == str(cwd / "store")
+    assert s.bootstrap.run_dir == cwd / "runs" / "r"
+    assert s.bootstrap.policy_store_url == str(cwd / "policy")
+    assert s.online.checkpoint_dir == cwd / "ckpt"
+    assert s.release.candidate_path == cwd / "c"
+    assert s.resolved_database_url == f"sqlite:///{cwd / 'data' / 'flywheel.db'}"
+    remote = Settings(artifact_store_url="s3://bucket/flywheel")
+    assert remote.artifact_store_url == "s3://bucket/flywheel"

@@ -97,3 +97,17 @@ def test_config_is_a_discriminated_union(tmp_path: Path) -> None:
     assert isinstance(parsed, FsspecStoreConfig)
     with pytest.raises(ValidationError):
         artifact_store_adapter.validate_python({"kind": "ftp", "url": "x"})
+
+
+def test_a_relative_root_lists_and_reads_like_an_absolute_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default data dir is relative (`data`): the root is made absolute once, so the
+    listing (resolved paths made relative to the root) works, and a child process given
+    the config reads the same directory wherever it starts."""
+    monkeypatch.chdir(tmp_path)
+    store = build_artifact_store(artifact_store_config("data/policy"))
+    assert store.config == LocalStoreConfig(root=tmp_path.resolve() / "data" / "policy")
+    store.put_bytes("releases/0/snapshot/manifest.json", b"{}")
+    assert store.list("releases/") == ["releases/0/snapshot/manifest.json"]
+    assert LocalArtifactStore(Path("data/policy")).get_bytes(
+        "releases/0/snapshot/manifest.json") == b"{}"
