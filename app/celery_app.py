@@ -31,7 +31,6 @@ from simulate.sandbox_service import SANDBOX_TASK
 log = logging.getLogger(__name__)
 
 RELEASE_TASK = "flywheel.build_release"
-ROLLBACK_TASK = "flywheel.rollback_release"
 
 
 def _filesystem_folders(data_dir: Path) -> dict[str, Any]:
@@ -84,15 +83,6 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             return build_release(ctx, candidate=Path(candidate) if candidate else None,
                                  version=version, requested_by=requested_by,
                                  reason=reason).model_dump(mode="json")
-
-    @app.task(name=ROLLBACK_TASK, shared=False)
-    def rollback_task(version: int, requested_by: str = "admin",
-                      reason: str = "") -> dict[str, Any]:
-        from trainer.release import open_release_context, rollback_release
-
-        with open_release_context(settings.release_config()) as ctx:
-            return rollback_release(ctx, version, requested_by=requested_by,
-                                    reason=reason).model_dump(mode="json")
 
     @app.task(name=SANDBOX_TASK, shared=False)
     def run_sandboxed_task(job: dict[str, Any]) -> dict[str, Any]:

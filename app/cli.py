@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from app.settings import Settings
+from app.settings import Settings, absolute, absolute_store_url
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -48,7 +48,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     shape = TinyMoeSettings.large() if args.large else settings.model
-    out = init_model(shape, args.out or settings.resolved_model_dir, overwrite=args.overwrite)
+    out = init_model(shape, absolute(args.out) if args.out else settings.resolved_model_dir,
+                     overwrite=args.overwrite)
     print(f"model ready in {out}")
     return 0
 
@@ -122,6 +123,23 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+# `flywheel demo`'s flags: each sets the `DemoPlan` field it names (its default in the help)
+DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--midtrain-steps": ("midtrain_steps", int, "the bootstrap's mid-training steps"),
+    "--grpo-steps": ("grpo_steps", int, "the bootstrap's GRPO steps"),
+    "--releases": ("releases", int, "releases to hot-swap in the loop"),
+    "--release-every-steps": ("release_every_steps", int,
+                              "online trainer steps between releases"),
+    "--online-batch": ("online_batch", int, "experiences per online trainer step"),
+    "--min-sessions": ("min_sessions", int,
+                       "sessions the newest release serves before the demo ends"),
+    "--developers": ("concurrency", int, "simulated developers at once"),
+    "--temperature": ("temperature", float, "the developers' sampling temperature"),
+    "--loop-seconds": ("max_loop_s", float,
+                       "a safety stop: most seconds of live traffic, whatever was reached"),
+}
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -132,12 +150,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_demo(settings, completions=args.completions)
     from app.demo_loop import DemoPlan, run_demo_loop
 
-    plan = DemoPlan(**{k: v for k, v in (
-        ("releases", args.releases), ("max_loop_s", args.loop_seconds),
-        ("release_every_s", args.release_every), ("grpo_s", args.grpo_seconds),
-        ("midtrain_steps", args.midtrain_steps), ("min_sessions", args.min_sessions),
-        ("concurrency", args.developers), ("temperature", args.temperature))
-        if v is not None})
+    plan = DemoPlan(**{field: getattr(args, field) for field, _, _ in DEMO_FLAGS.values()
+                       if getattr(args, field) is not None})
     return run_demo_loop(settings, plan)
 
 
@@ -150,7 +164,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                                    ("midtrain_steps", args.midtrain_steps),
                                    ("mode", args.mode)) if v is not None}
     cfg = settings.bootstrap.model_copy(update=overrides)
-    run_dir = args.run_dir or cfg.run_dir or (
+    run_dir = absolute(args.run_dir) if args.run_dir else cfg.run_dir or (
         settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
     from trainer.init_model import init_model  # torch from here on
 
@@ -208,7 +222,7 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
               "FLYWHEEL_KAFKA_BOOTSTRAP)", file=sys.stderr)
         return 2
     cfg = settings.bootstrap
-    store = args.store or cfg.policy_store_url
+    store = absolute_store_url(args.store) if args.store else cfg.policy_store_url
     if not store:
         print("flywheel rollout-worker: give the bootstrap's policy store (--store or "
               "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)", file=sys.stderr)
@@ -278,22 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="only exercise the API and Kafka (no training loop)")
     plan = DemoPlan()
-    p.add_argument("--loop-seconds", type=float, help="most seconds of live traffic "
-                   f"(developers, join, trainer, releases; {plan.max_loop_s:.0f})")
-    p.add_argument("--releases", type=int,
-                   help=f"releases to hot-swap in the loop ({plan.releases})")
-    p.add_argument("--release-every", type=float,
-                   help=f"seconds between releases ({plan.release_every_s:.0f})")
-    p.add_argument("--grpo-seconds", type=float,
-                   help=f"the bootstrap's GRPO budget ({plan.grpo_s:.0f})")
-    p.add_argument("--midtrain-steps", type=int,
-                   help=f"the bootstrap's mid-training steps ({plan.midtrain_steps})")
-    p.add_argument("--min-sessions", type=int, help="sessions the newest release serves "
-                   f"before the demo ends ({plan.min_sessions})")
-    p.add_argument("--developers", type=int,
-                   help=f"simulated developers at once ({plan.concurrency})")
-    p.add_argument("--temperature", type=float,
-                   help=f"the developers' sampling temperature ({plan.temperature})")
+    for flag, (field, kind, text) in DEMO_FLAGS.items():
+        p.add_argument(flag, type=kind, dest=field, metavar="N" if kind is int else "X",
+                       help=f"{text} ({getattr(plan, field)})")
     p.add_argument("--port", type=int, help="API port (default: a free one)")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -9,8 +9,8 @@
 3. Simulated developers (simulate/developers.py) work on the product split of the tasks
    through the public HTTP API, one chat completion per agent turn, and send a signed verdict
    per session. The trainer learns from the joined verdicts and hands its weights to the
-   release pipeline every `release_every_s`; the replica hot-swaps each release while the
-   developers keep working.
+   release pipeline every `release_every_steps` trainer steps; the replica hot-swaps each
+   release while the developers keep working.
 4. When `releases` releases are live and the newest one has served `min_sessions` sessions:
    a table, a PNG (live acceptance per version, held-out pass@1 per release) and one JSON line
    {"acceptance_by_version": {...}, "acceptance_gain_points": ..., "held_out_by_version":
@@ -39,16 +39,18 @@ from app.stack import running_stack
 
 @dataclass(frozen=True)
 class DemoPlan:
-    """The demo's budget on a 2-core machine (`flywheel demo --help` sets each)."""
+    """The demo's budget (`flywheel demo --help` sets each): counts of work, so version 0 and
+    every release are the same training on any machine and only the wall time differs."""
 
     # a short bootstrap: the model a product would first ship, with room to learn
     midtrain_steps: int = 400
-    grpo_s: float = 60.0  # the bootstrap's GRPO budget
+    grpo_steps: int = 40
     releases: int = 5
-    release_every_s: float = 150.0
-    min_sessions: int = 600  # served by the newest release before the demo ends (±2 points)
-    max_loop_s: float = 900.0  # the live loop stops here whatever it reached
-    concurrency: int = 16  # simulated developers at once
+    release_every_steps: int = 30  # online trainer steps of `online_batch` experiences
+    online_batch: int = 64
+    min_sessions: int = 500  # served by the newest release before the demo ends (±2 points)
+    max_loop_s: float = 1800.0  # a safety stop for the live loop, far beyond a normal run
+    concurrency: int = 10  # simulated developers at once
     temperature: float = 0.7  # the developers' agent samples at an editor's temperature
 
 
@@ -56,11 +58,13 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     """The demo's knobs on top of `settings`: the trainer's cadence and batches, the engine's
     prefix cache (an agent's next turn extends its conversation) and a signing secret."""
     online = settings.online.model_copy(update={
-        "release_interval_s": plan.release_every_s, "threads": 1, "lr": 2e-4,
-        "min_batch": 32, "max_batch": 64, "checkpoint_every_steps": 10})
+        "release_every_steps": plan.release_every_steps, "stop_after_releases": plan.releases,
+        "threads": 1, "lr": 2e-4, "min_batch": plan.online_batch,
+        "max_batch": plan.online_batch, "checkpoint_every_steps": 10})
     engine = settings.engine.model_copy(update={"threads": 1, "prefix_cache_tokens": 32768})
     bootstrap = settings.bootstrap.model_copy(update={
-        "midtrain_steps": plan.midtrain_steps, "time_budget_s": plan.grpo_s})
+        "midtrain_steps": plan.midtrain_steps, "max_steps": plan.grpo_steps,
+        "time_budget_s": None, "eval_every": plan.grpo_steps})  # held-out before and after
     update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}
     if not settings.feedback_secrets:
         update["feedback_secrets"] = [SecretStr(secrets.token_hex(16))]
@@ -80,8 +84,8 @@ def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]
               flush=True)
         return model, None
     base = init_model(settings.model, settings.resolved_model_dir)
-    print(f"bootstrap: {settings.bootstrap.midtrain_steps} mid-training steps, then GRPO for "
-          f"{settings.bootstrap.time_budget_s:.0f} s", flush=True)
+    print(f"bootstrap: {settings.bootstrap.midtrain_steps} mid-training steps, then "
+          f"{settings.bootstrap.max_steps} GRPO steps", flush=True)
     summary = run_bootstrap(settings.bootstrap, base, run_dir,
                             batch_invariant=settings.batch_invariant)
     print(f"bootstrap: held-out pass@1 {summary['pass_at_1_before']:.1%} after mid-training, "
@@ -135,9 +139,6 @@ class DeveloperThread:
 
 def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
     from ingest.join import run_join
-    from trainer.online_control import SqlTrainerControl, open_control_db
-    from trainer.online_loop import run_online
-    from trainer.release import PipelineReleaseSink
 
     started = time.monotonic()
     plan = plan or DemoPlan()
@@ -151,24 +152,47 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
         join = threading.Thread(target=run_join, name="join", daemon=True, kwargs={
             "kafka": stack.kafka, "settings": s.join,
             "database_url": s.resolved_join_database_url, "stop": stop})
-        control = SqlTrainerControl(open_control_db(s.resolved_database_url))
-        trainer = threading.Thread(target=run_online, name="trainer", daemon=True, args=(s,),
-                                   kwargs={"release_sink": PipelineReleaseSink(s.release_config()),
-                                           "control": control, "stop": stop})
         join.start()
-        trainer.start()
         print(f"live: {stack.base_url} serves v0; {plan.concurrency} simulated developers on "
-              f"the product tasks; a release every {plan.release_every_s:.0f} s", flush=True)
+              f"the product tasks; a release every {plan.release_every_steps} trainer steps",
+              flush=True)
         watch = LiveView(stack.base_url, s.admin_token.get_secret_value(), plan)
         try:
-            with DeveloperThread(s, stack.base_url, plan) as developers:
+            with TrainerProcess(s), DeveloperThread(s, stack.base_url, plan) as developers:
                 watch.follow(developers)
         finally:
             stop.set()
-            trainer.join(timeout=300)
             join.join(timeout=60)
         releases = watch.releases()
     return report(settings, developers.population, releases, time.monotonic() - started)
+
+
+class TrainerProcess:
+    """The online trainer with the release pipeline as its sink, in a process of its own as
+    `flywheel train-online` runs in production (its steps then wait for no lock of the API's,
+    the engine's or the developers' Python threads). It stops by itself once `releases`
+    releases were published (`online.stop_after_releases`), or on SIGTERM at the end."""
+
+    def __init__(self, settings: Settings) -> None:
+        import multiprocessing
+
+        from app.cli import train_online_rank
+
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=train_online_rank, args=(settings.model_dump_json(), True), name="trainer",
+            daemon=True)
+
+    def __enter__(self) -> TrainerProcess:
+        self.process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.is_alive():
+            self.process.terminate()  # SIGTERM: it checkpoints and stops after its step
+        self.process.join(timeout=120)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
 class LiveView:

@@ -63,7 +63,10 @@ class BootstrapSettings(BaseModel):
     # with the behavior correction as a weight capped at is_cap (the clip never engages)
     clip_anchor: ClipAnchor = "behavior"
     max_steps: int = Field(default=1000, ge=1)
-    time_budget_s: float = Field(default=540.0, gt=0)  # GRPO wall budget
+    # GRPO's wall budget: `flywheel bootstrap` stops at whichever of max_steps and this comes
+    # first, so on a slower machine it makes fewer steps. None: max_steps alone, the same
+    # training on any machine (the demo's bootstrap)
+    time_budget_s: float | None = Field(default=540.0, gt=0)
     eval_every: int = Field(default=10, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)

@@ -206,7 +206,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
              trackers: Trackers | None = None, kafka: KafkaConfig | None = None,
              work_dir: Path | None = None, batch_invariant: bool = False,
              local: LocalFleet | None = None) -> GrpoRun:
-    """GRPO on the rollout fleet until `max_steps` or `time_budget_s`; evaluates every
+    """GRPO on the rollout fleet until `max_steps` (or `time_budget_s`); evaluates every
     `eval_every`. On `local` (default: `open_local_fleet` over `kafka` and `work_dir` for
     this call), with its worker processes plus any `flywheel rollout-worker` that joins."""
     with contextlib.ExitStack() as stack:
@@ -239,15 +239,18 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
 
     trainer = OfflineTrainer.from_settings(policy, cfg)
     start = time.monotonic()
-    # the run ends at its time budget (or max_steps): the bar counts seconds
-    bar = tqdm(total=round(cfg.time_budget_s), desc="grpo", unit="s", disable=not progress,
+    budget = cfg.time_budget_s
+    # the run ends at max_steps, or at its time budget where it has one: the bar counts that
+    bar = tqdm(total=cfg.max_steps if budget is None else round(budget), desc="grpo",
+               unit="step" if budget is None else "s", disable=not progress,
                dynamic_ncols=True, mininterval=1.0)
     try:
         for step in range(policy.version, policy.version + cfg.max_steps):
-            if time.monotonic() - start > cfg.time_budget_s:
+            elapsed = time.monotonic() - start
+            if budget is not None and elapsed > budget:
                 break
             groups = fleet.take_step(step)
-            spent = max((time.monotonic() - start) / cfg.time_budget_s,
+            spent = max(elapsed / budget if budget else 0.0,
                         run.steps / cfg.max_steps)  # of the run's budget
             lr = cfg.lr * cosine_factor(spent, floor=cfg.lr_floor)
             policy.set_lr(lr)
@@ -268,7 +271,8 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
                 append_metrics(metrics_path, record)
             if trackers is not None:
                 trackers.report(run.steps, record)
-            bar.update(min(bar.total, round(record["wall_s"])) - bar.n)
+            bar.update(min(bar.total, run.steps if budget is None else round(record["wall_s"]))
+                       - bar.n)
             bar.set_postfix(step=run.steps, reward=f"{metrics['reward']:.2f}",
                             solved=f"{metrics['solved']:.2f}", refresh=False)
     finally:

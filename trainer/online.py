@@ -70,6 +70,7 @@ class TrainerState:
     release_from_step: int = 0  # first step not contained in a release yet
     last_release: dict[str, Any] | None = None
     last_release_wall: float = field(default_factory=time.time)
+    last_release_step: int = 0  # the step the last release was cut at (published or not)
 
 
 def configure_torch(cfg: OnlineTrainerSettings) -> None:

@@ -63,6 +63,10 @@ class OnlineTrainerSettings(BaseModel):
     baseline: BaselineSettings = BucketMeanBaseline()
     checkpoint_every_steps: int = Field(default=1, ge=1)
     keep_checkpoints: int = Field(default=2, ge=1)
+    # the trainer hands its weights to the release pipeline every release_every_steps steps
+    # where set (the same training per release on any machine: the demo), else every
+    # release_interval_s of wall time (a product's cadence: every few hours)
+    release_every_steps: int | None = Field(default=None, ge=1)
     release_interval_s: float = Field(default=3 * 3600.0, gt=0.0)
     poll_timeout_ms: int = Field(default=200, ge=1)
     control_every_s: float = Field(default=1.0, gt=0.0)
@@ -77,8 +81,10 @@ class OnlineTrainerSettings(BaseModel):
     collective_timeout_s: float = Field(default=1800.0, gt=0.0)
     max_restarts: int = Field(default=3, ge=0, description="--nproc: restarts of all ranks "
                               "after one died, each from the last checkpoint")
-    # Stop after this many trained experiences (tests, demos); None runs until told to stop.
+    # Stop after this many trained experiences, or after this many releases were published
+    # (tests, demos); None runs until told to stop.
     stop_after: int | None = Field(default=None, ge=1)
+    stop_after_releases: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _batch_bounds(self) -> OnlineTrainerSettings:

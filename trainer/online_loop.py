@@ -5,7 +5,7 @@ and seeking to the offsets of the latest checkpoint; `take_batch` cuts a prefix 
 records (so resuming after a batch is one offset per partition) and skips what the ledger has;
 `OnlineLoop` applies control commands (pause, resume, release), steps the trainer, checkpoints,
 commits Kafka offsets once the checkpoint is durable, and hands weights to the release
-pipeline every `release_interval_s`.
+pipeline every `release_every_steps` trainer steps, or every `release_interval_s`.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class OnlineLoop:
                 self._train(batch)
             else:
                 self.trainer.tick()
-            if time.time() - self.trainer.state.last_release_wall >= self.cfg.release_interval_s:
+            if self._release_due():
                 self.release(requested_by="trainer", reason="release_interval")
         if self.trainer.state.step > self._checkpointed_step:  # a clean stop loses nothing
             self._checkpoint()
@@ -178,9 +178,20 @@ class OnlineLoop:
         return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
                             self.releases)
 
+    def _release_due(self) -> bool:
+        """Every `release_every_steps` trainer steps where set: each release holds the same
+        training on any machine; else every `release_interval_s` of wall time."""
+        state = self.trainer.state
+        if self.cfg.release_every_steps is not None:
+            return state.step - state.last_release_step >= self.cfg.release_every_steps
+        return time.time() - state.last_release_wall >= self.cfg.release_interval_s
+
     def _done(self) -> bool:
+        published = sum(bool(r["released"]) for r in self.releases)
         return (self.cfg.stop_after is not None
-                and self.trainer.ledger.trained >= self.cfg.stop_after)
+                and self.trainer.ledger.trained >= self.cfg.stop_after) or (
+            self.cfg.stop_after_releases is not None
+            and published >= self.cfg.stop_after_releases)
 
     def _train(self, batch: Batch) -> None:
         metrics = self.trainer.step(batch.experiences)
@@ -215,7 +226,7 @@ class OnlineLoop:
     def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
         """Hand the current weights to the release pipeline with their provenance."""
         state = self.trainer.state
-        state.last_release_wall = time.time()
+        state.last_release_wall, state.last_release_step = time.time(), state.step
         if self.release_sink is None or state.step <= state.release_from_step:
             return {"released": False, "reason": "no sink" if self.release_sink is None
                     else "no new steps since the last release"}

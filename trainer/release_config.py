@@ -22,16 +22,28 @@ if TYPE_CHECKING:
 
 
 class HeldOutTasksEval(BaseModel):
-    """Greedy pass@1 of the multi-turn tool agent (the bootstrap's harness) on the held-out
-    split of the bootstrap's task source: tasks never served to the product and never trained
-    on, checked by their tests in the sandbox. Higher is better. The default: it guards the
+    """pass@1 of the multi-turn tool agent (the bootstrap's harness) on the held-out split of
+    the bootstrap's task source: tasks never served to the product and never trained on,
+    checked by their tests in the sandbox. Each task runs `samples_per_task` episodes at
+    `temperature` (pass@1: the mean over tasks of the share of its episodes that pass; 0 and
+    1 sample: greedy). The gate compares the candidate with the served version task by task
+    and refuses it only when the upper `confidence` bound of the change is below
+    -`max_drop_points`: a candidate no worse than that is refused with probability at most
+    1 - `confidence` (trainer/eval_gate.py, docs/releases.md). The default: it guards the
     ability the product uses."""
 
     kind: Literal["held_out_tasks"] = "held_out_tasks"
     max_tasks: int = Field(default=64, ge=1, description="the first N held-out tasks")
+    samples_per_task: int = Field(default=8, ge=1, le=256)
+    # the temperature the product's agent samples at (the demo's developers: 0.7)
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    seed: int = 0  # both versions sample with the same seeds: their difference is less noisy
     max_drop_points: float = Field(
-        default=5.0, ge=0.0, le=100.0,
-        description="refuse a candidate whose pass@1 is more points below the served one's")
+        default=2.0, ge=0.0, le=100.0,
+        description="refuse a candidate shown to be more points below the served one")
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0,
+                              description="1 - the chance of refusing a candidate that is "
+                                          "no worse than max_drop_points")
 
 
 class HeldOutLossEval(BaseModel):

@@ -23,7 +23,7 @@ from kernels.delta.chain import apply_chain, plan_chain
 from kernels.delta.manifest import VersionRef
 from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
-from trainer.eval_gate import EvalSuite, GateDecision, build_eval_suite, gate
+from trainer.eval_gate import EvalSuite, GateDecision, Scores, build_eval_suite, gate
 from trainer.release_config import ReleaseConfig
 
 Weights = dict[str, torch.Tensor]
@@ -108,31 +108,32 @@ def head_weights(config: ReleaseConfig, version: int, sha256: str) -> Weights:
 
 
 def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights) -> GateDecision:
-    """Score both with the configured suite on the base model architecture (the served
-    version's figures are cached by its sha256: one served version meets many candidates)."""
+    """Score both with the configured suite on the base model architecture. Scores are cached
+    by the weights' sha256: one served version meets many candidates, and a candidate that
+    ships is the next one's served version."""
     from transformers import AutoTokenizer
 
     model = load_model(config.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     suite = build_eval_suite(config.release.eval, tasks=config.tasks, harness=config.harness)
-    served_metrics = _served_metrics(config, suite, model, tokenizer, served)
-    model.load_state_dict(candidate)
-    return gate(suite, suite.evaluate(model, tokenizer), served_metrics)
+    return gate(suite, _scores(config, suite, model, tokenizer, candidate),
+                _scores(config, suite, model, tokenizer, served))
 
 
-def _served_metrics(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
-                    served: Weights) -> dict[str, float]:
+def _scores(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
+            weights: Weights) -> Scores:
     key = hashlib.sha256(json.dumps([
         config.release.eval.model_dump(mode="json"), config.tasks.model_dump(mode="json"),
-        repr(config.harness), state_dict_sha256(served)]).encode()).hexdigest()
+        repr(config.harness), state_dict_sha256(weights)]).encode()).hexdigest()
     path = config.cache_dir / "eval" / f"{key}.json"
     if path.exists():
-        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
-    model.load_state_dict(served)
-    metrics = suite.evaluate(model, tokenizer)
+        cached = json.loads(path.read_text())
+        return Scores(cached["metrics"], cached["tasks"])
+    model.load_state_dict(weights)
+    scores = suite.evaluate(model, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics))
-    return metrics
+    path.write_text(json.dumps({"metrics": scores.metrics, "tasks": scores.tasks}))
+    return scores
 
 
 def _write(config: ReleaseConfig, encoded: EncodedRelease) -> str:

@@ -51,6 +51,9 @@ function gate(release) {
   });
   const decision = release.status === "rejected" ? "refused" : release.status === "candidate"
     ? "pending" : release.parent == null ? "base" : "passed";
+  if (typeof s.change === "number") {  // the paired test over the held-out tasks
+    figures.push(`change ${fmt(s.change)}, upper bound ${fmt(s.change_upper)}`);
+  }
   const cell = el("td", { class: "gate", "data-decision": decision }, decision);
   if (figures.length) cell.append(el("br"), el("small", {}, figures.join("; ")));
   if (release.status === "rejected") cell.append(el("br"), el("small", {}, release.reason));

@@ -13,8 +13,9 @@ from tests.trainer.test_release import make_checkpoint
 
 def test_release_routes_need_the_token_and_answer_with_reasons(settings: Settings,
                                                                model_dir: Path) -> None:
+    gate = settings.release.eval.model_copy(update={"max_tasks": 8, "samples_per_task": 2})
     settings = settings.model_copy(update={"release": settings.release.model_copy(
-        update={"follow": False})})
+        update={"follow": False, "eval": gate})})
     admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
     with TestClient(create_app(settings)) as http:
         assert http.get("/admin/releases").status_code == 401

@@ -89,3 +89,41 @@ def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) ->
     assert status is not None and status.step == 1 and status.consumed == 4
     assert status.last_release_version == 1 and status.lag == 0
     torch.use_deterministic_algorithms(False)
+
+
+class RefuseFirstSink(RecordingSink):
+    """The first candidate is refused (by the gate, say), the others published."""
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> ReleaseOutcome:
+        outcome = super().release(candidate, provenance, requested_by=requested_by,
+                                  reason=reason)
+        return outcome if len(self.calls) > 1 else ReleaseOutcome(
+            version=1, published=False, sha256="", reason="refused")
+
+
+def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings,
+                                                         model_dir: Path) -> None:
+    """`release_every_steps`: a candidate every 2 steps; the refused one's steps go into
+    the next, which is still cut 2 steps later (not on every step after the refusal)."""
+    online = settings.online.model_copy(update={
+        "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
+        "deterministic": True})
+    kafka = settings.kafka_config(settings.kafka_bootstrap or "")
+    producer = EventProducer(kafka)
+    for exp in make_experiences(model_dir, 8):
+        producer.send(kafka.topics.experiences, exp.experience_id, exp)
+    producer.flush()
+    producer.close()
+    root = settings.data_dir / "trainer"
+    trainer = OnlineTrainer.restore(online, model_dir, root)
+    source = ExperienceSource(kafka, group_id="cadence-test", dlq=None)
+    sink = RefuseFirstSink()
+    try:
+        OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                   release_sink=sink).run()
+    finally:
+        source.close()
+    assert [p["step_range"] for _, p in sink.calls] == [[0, 1], [0, 3]]
+    assert trainer.state.release_from_step == 4
+    torch.use_deterministic_algorithms(False)

@@ -134,16 +134,19 @@ def skilled_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def test_held_out_pass_at_1_gate_refuses_a_damaged_candidate(
         settings: Settings, skilled_model_dir: Path, tmp_path: Path) -> None:
-    """The default gate: held-out pass@1 of the agent in the sandbox. The served version
-    solves both held-out tasks; a candidate with damaged weights solves none and is refused
-    and recorded; the same weights again pass."""
+    """The default gate: held-out pass@1 of the agent in the sandbox, compared task by task.
+    The served version solves both held-out tasks (greedy, so every sample alike); a
+    candidate with damaged weights solves none and is refused and recorded; the same weights
+    again pass."""
     from simulate.tasks import JsonlTasksConfig
 
     tasks = JsonlTasksConfig(path=skilled_model_dir / "tasks.jsonl", held_out_fraction=1.0)
+    assert settings.release.eval.kind == "held_out_tasks"
     settings = settings.model_copy(update={
         "model_dir": skilled_model_dir,
-        "bootstrap": settings.bootstrap.model_copy(update={"tasks": tasks})})
-    assert settings.release.eval.kind == "held_out_tasks"
+        "bootstrap": settings.bootstrap.model_copy(update={"tasks": tasks}),
+        "release": settings.release.model_copy(update={"eval": settings.release.eval.model_copy(
+            update={"temperature": 0.0, "samples_per_task": 2})})})
     with open_release_context(settings.release_config()) as ctx:
         served = load_model(skilled_model_dir).state_dict()
         make_checkpoint(skilled_model_dir, tmp_path / "damaged.safetensors", scale=0.3, seed=1,
@@ -152,7 +155,8 @@ def test_held_out_pass_at_1_gate_refuses_a_damaged_candidate(
         assert damaged.status == "rejected"
         assert damaged.eval_summary["served_pass_at_1"] == 1.0
         assert damaged.eval_summary["candidate_pass_at_1"] == 0.0
-        assert "pass_at_1 100.0% -> 0.0%: worse by 100.0%" in damaged.reason
+        assert damaged.eval_summary["change"] == -1.0
+        assert damaged.reason.startswith("pass_at_1 100.0% -> 0.0%: change -100.0% over 2 tasks")
         save_weights(served, tmp_path / "same.safetensors")
         same = build_release(ctx, candidate=tmp_path / "same.safetensors")
         assert same.status == "published" and same.eval_summary["candidate_pass_at_1"] == 1.0

@@ -1,0 +1,148 @@
+"""The eval gate's error rates: how often it refuses a candidate as good as the served version,
+and how often it refuses a damaged one.
+
+The served model is a bootstrapped one (`--model`, default `data/bootstrap/model`, what
+`make demo` leaves; built with the demo's bootstrap when missing). Each of `--trials` trials
+evaluates, with the release's held-out suite (`FLYWHEEL_RELEASE__EVAL__*`: the tasks, samples
+per task, temperature), the served model twice and a damaged copy of it once, every
+evaluation with its own sampling seeds, and asks the gate (`trainer.eval_gate.gate`):
+- the served model against itself as the candidate: a refusal is a false refusal;
+- the damaged copy (every tensor plus Gaussian noise of `--damage` times its own standard
+  deviation, a new noise seed per trial) against the served model: a refusal is right.
+The release pipeline samples both versions with the same seeds, which only makes their
+difference less noisy: independent seeds here are the harder case for both rates. The
+baseline in the same run is the gate before it (greedy pass@1, one episode per task, refusing
+a drop of more than 5 points) on the same damaged copies; against the served model itself it
+cannot err (greedy decoding repeats itself), its false refusals were of different candidates
+as good as the served one, which no trial here can construct. Ends with one JSON line:
+{"bench": "gate", "false_refusal_rate", "damaged_refusal_rate", "trials", ...}.
+
+    .venv/bin/python bench/gate.py [--trials 20] [--damage 0.1] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.settings import Settings  # noqa: E402
+
+LEGACY_MARGIN_POINTS = 5.0  # the gate before the paired test: greedy, a bare 5-point margin
+
+
+def served_model(settings: Settings, path: Path) -> Path:
+    """`path` if it holds a model, else the demo's bootstrap of a fresh base model there."""
+    if (path / "config.json").exists():
+        return path
+    from app.demo_loop import DemoPlan, demo_settings
+    from trainer.init_model import init_model
+    from trainer.offline import run_bootstrap
+
+    settings = demo_settings(settings, DemoPlan())
+    run_dir = path.parent
+    base = init_model(settings.model, run_dir / "base")
+    run_bootstrap(settings.bootstrap, base, run_dir)
+    return path
+
+
+def damaged(weights: dict[str, Any], scale: float, seed: int) -> dict[str, Any]:
+    """Every floating tensor plus N(0, (scale * its std)^2) noise (tied tensors stay tied:
+    the state dict holds them as one)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        if t.is_floating_point() and t.numel() > 1:
+            t = t + scale * float(t.float().std()) * torch.randn(t.shape, generator=gen)
+        out[name] = t
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--damage", type=float, default=0.1,
+                        help="noise per tensor, in units of the tensor's standard deviation")
+    parser.add_argument("--model", type=Path, default=Path("data/bootstrap/model"))
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.eval_gate import HeldOutTasksSuite, Scores, gate
+    from trainer.release_config import HeldOutTasksEval
+
+    started = time.monotonic()
+    settings = Settings()
+    torch.set_num_threads(1)
+    path = served_model(settings, args.model.resolve())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    served_weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    cfg = settings.release.eval
+    assert isinstance(cfg, HeldOutTasksEval), "the bench measures the held-out tasks gate"
+    harness = settings.bootstrap.harness(temperature=cfg.temperature)
+    suite = HeldOutTasksSuite(cfg, tasks=settings.bootstrap.tasks, harness=harness)
+    greedy = HeldOutTasksSuite(cfg.model_copy(update={
+        "samples_per_task": 1, "temperature": 0.0, "max_drop_points": LEGACY_MARGIN_POINTS}),
+        tasks=settings.bootstrap.tasks, harness=harness)
+    greedy_served = greedy.evaluate(model, tokenizer)
+    print(f"served {path}: greedy pass@1 {greedy_served.metrics['pass_at_1']:.1%} on "
+          f"{len(suite.tasks)} held-out tasks; {args.trials} trials of {cfg.samples_per_task} "
+          f"samples per task at temperature {cfg.temperature}", flush=True)
+
+    false_refusals, refusals, legacy_refusals = 0, 0, 0
+    served_p, damaged_p, stderrs, legacy_damaged_p = [], [], [], []
+    for trial in range(args.trials):
+        model.load_state_dict(served_weights)
+        first = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 1))
+        second = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 2))
+        model.load_state_dict(damaged(served_weights, args.damage, seed=trial))
+        bad = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 2))
+        same, worse = gate(suite, second, first), gate(suite, bad, first)
+        legacy = gate(greedy, Scores(greedy.evaluate(model, tokenizer).metrics),
+                      Scores(greedy_served.metrics))  # the bare margin: no per-task scores
+        false_refusals += not same.passed
+        refusals += not worse.passed
+        legacy_refusals += not legacy.passed
+        served_p += [first.metrics["pass_at_1"], second.metrics["pass_at_1"]]
+        damaged_p.append(bad.metrics["pass_at_1"])
+        legacy_damaged_p.append(legacy.candidate["pass_at_1"])
+        stderrs += [c.stderr for c in (same.change, worse.change) if c is not None]
+        print(f"trial {trial + 1}/{args.trials}: served {first.metrics['pass_at_1']:.1%} / "
+              f"{second.metrics['pass_at_1']:.1%} ({'refused' if not same.passed else 'passed'}"
+              f"), damaged {bad.metrics['pass_at_1']:.1%} "
+              f"({'refused' if not worse.passed else 'passed'}; greedy "
+              f"{legacy.candidate['pass_at_1']:.1%}: "
+              f"{'refused' if not legacy.passed else 'passed'})", flush=True)
+
+    drop = 100 * (statistics.fmean(served_p) - statistics.fmean(damaged_p))
+    print(json.dumps({
+        "bench": "gate",
+        "false_refusal_rate": round(false_refusals / args.trials, 3),
+        "damaged_refusal_rate": round(refusals / args.trials, 3),
+        "trials": args.trials,
+        "tasks": len(suite.tasks), "samples_per_task": cfg.samples_per_task,
+        "temperature": cfg.temperature, "max_drop_points": cfg.max_drop_points,
+        "confidence": cfg.confidence, "damage": args.damage,
+        "served_pass_at_1": round(statistics.fmean(served_p), 4),
+        "damaged_pass_at_1": round(statistics.fmean(damaged_p), 4),
+        "damaged_drop_points": round(drop, 1),
+        "stderr_points": round(100 * statistics.fmean(stderrs), 2),
+        "legacy_greedy_served_pass_at_1": greedy_served.metrics["pass_at_1"],
+        "legacy_greedy_damaged_pass_at_1": round(statistics.fmean(legacy_damaged_p), 4),
+        "legacy_damaged_refusal_rate": round(legacy_refusals / args.trials, 3),
+        "wall_s": round(time.monotonic() - started, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
