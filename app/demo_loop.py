@@ -158,8 +158,9 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
               flush=True)
         watch = LiveView(stack.base_url, s.admin_token.get_secret_value(), plan)
         try:
-            with TrainerProcess(s), DeveloperThread(s, stack.base_url, plan) as developers:
-                watch.follow(developers)
+            with TrainerProcess(s) as trainer, \
+                    DeveloperThread(s, stack.base_url, plan) as developers:
+                watch.follow(developers, trainer)
         finally:
             stop.set()
             join.join(timeout=60)
@@ -186,6 +187,12 @@ class TrainerProcess:
         self.process.start()
         return self
 
+    def check(self) -> None:
+        """Raise if the trainer died (a clean exit is its stop after the last release)."""
+        if self.process.exitcode not in (None, 0):
+            raise RuntimeError(f"the online trainer exited with {self.process.exitcode} "
+                               f"(its log is above)")
+
     def __exit__(self, *exc: object) -> None:
         if self.process.is_alive():
             self.process.terminate()  # SIGTERM: it checkpoints and stops after its step
@@ -208,7 +215,7 @@ class LiveView:
         reply.raise_for_status()
         return sorted(reply.json(), key=lambda r: r["version"])
 
-    def follow(self, developers: DeveloperThread) -> None:
+    def follow(self, developers: DeveloperThread, trainer: TrainerProcess) -> None:
         """Until `plan.releases` releases were served and the newest one has served
         `plan.min_sessions` sessions, or `plan.max_loop_s`."""
         from tqdm import tqdm
@@ -221,6 +228,7 @@ class LiveView:
             while time.monotonic() - started < self.plan.max_loop_s:
                 if developers.error is not None:
                     raise developers.error
+                trainer.check()
                 served = self._served_version()
                 for row in self.releases():
                     if row["version"] > 0 and row["version"] not in seen \
