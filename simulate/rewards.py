@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -97,10 +98,23 @@ def edited_tests(before: dict[str, str], after: dict[str, str]) -> list[str]:
             if after.get(path) != digest]
 
 
+# CPython 3.11 builds an AST with a recursion depth kept per interpreter, not per thread, and
+# two threads parsing at once can fail with "SystemError: AST constructor recursion depth
+# mismatch" (python/cpython#106905; seen here when an eval gate scored 400 episodes on
+# threads). Rewards are computed on threads, so parses take turns.
+_PARSE = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """`ast.parse`, one thread at a time (see `_PARSE`)."""
+    with _PARSE:
+        return ast.parse(source)
+
+
 def cheating_flags(code: str, tests: str, prompt: str = "") -> list[str]:
     """Static checks of candidate `code` against the `tests` it will meet; [] when clean."""
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except SyntaxError:
         return []  # it cannot run, so it cannot cheat; the tests will fail it
     flags = [*_escape_flags(tree), *_harness_flags(tree)]
@@ -167,7 +181,7 @@ def _bound_names(tree: ast.AST) -> set[str]:
 def _expected_outputs(tests: str) -> set[object]:
     """Non-trivial literals compared with `==` in the tests: what a cheat would hard-code."""
     try:
-        tree = ast.parse(tests)
+        tree = parse(tests)
     except SyntaxError:
         return set()
     found: set[object] = set()

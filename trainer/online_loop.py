@@ -232,8 +232,16 @@ class OnlineLoop:
                     else "no new steps since the last release"}
         provenance = self.provenance()
         path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
-        outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
-                                            reason=reason)
+        try:
+            outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
+                                                reason=reason)
+        except Exception as exc:  # the pipeline recorded the failed build; training goes on
+            log.exception("the release of steps %s failed", provenance["step_range"])
+            result = {"released": False, "reason": f"build failed: {exc}",
+                      "step_range": provenance["step_range"]}
+            self.releases.append(result)
+            self._publish_status()
+            return result
         result = {"released": outcome.published, "version": outcome.version,
                   "sha256": outcome.sha256, "reason": outcome.reason,
                   "step_range": provenance["step_range"]}

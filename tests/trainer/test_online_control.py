@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from app.settings import Settings
@@ -92,20 +93,30 @@ def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) ->
 
 
 class RefuseFirstSink(RecordingSink):
-    """The first candidate is refused (by the gate, say), the others published."""
+    """The first candidate is refused (by the gate, say), or its build fails (`fail`); the
+    others are published."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
 
     def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
                 reason: str) -> ReleaseOutcome:
         outcome = super().release(candidate, provenance, requested_by=requested_by,
                                   reason=reason)
-        return outcome if len(self.calls) > 1 else ReleaseOutcome(
-            version=1, published=False, sha256="", reason="refused")
+        if len(self.calls) > 1:
+            return outcome
+        if self.fail:
+            raise SystemError("AST constructor recursion depth mismatch")  # as seen in a demo
+        return ReleaseOutcome(version=1, published=False, sha256="", reason="refused")
 
 
-def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings,
-                                                         model_dir: Path) -> None:
+@pytest.mark.parametrize("fail", [False, True], ids=["refused", "build_failed"])
+def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, model_dir: Path,
+                                                         fail: bool) -> None:
     """`release_every_steps`: a candidate every 2 steps; the refused one's steps go into
-    the next, which is still cut 2 steps later (not on every step after the refusal)."""
+    the next, which is still cut 2 steps later (not on every step after the refusal). A
+    build that fails is a refusal too: the trainer goes on."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
         "deterministic": True})
@@ -118,7 +129,7 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings,
     root = settings.data_dir / "trainer"
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = ExperienceSource(kafka, group_id="cadence-test", dlq=None)
-    sink = RefuseFirstSink()
+    sink = RefuseFirstSink(fail=fail)
     try:
         OnlineLoop(trainer, source, candidate_dir=root / "candidates",
                    release_sink=sink).run()
