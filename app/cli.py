@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
+from app.processes import stop_on_signals, train_online_rank
 from app.settings import Settings, absolute, absolute_store_url
 
 
@@ -32,14 +31,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "host", None) is not None:
         overrides["host"] = args.host
     return Settings(**overrides)
-
-
-def stop_on_signals() -> threading.Event:
-    """An event that SIGINT or SIGTERM sets, so long-running commands stop cleanly."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -77,32 +68,6 @@ def cmd_train_online(args: argparse.Namespace) -> int:
 
     launch(args.nproc, train_online_rank, settings.model_dump_json(), not args.no_release,
            max_restarts=settings.online.max_restarts)
-    return 0
-
-
-def train_online_rank(settings_json: str, release: bool) -> int:
-    """One rank of `flywheel train-online` (the whole of it in the one-process world): the
-    leader takes the trainer control and the release pipeline, the others follow it."""
-    from trainer.distributed import join_world, leave_world
-    from trainer.online_loop import run_online
-
-    settings = Settings.model_validate_json(settings_json)
-    world = join_world(timeout_s=settings.online.collective_timeout_s)
-    stop = stop_on_signals()
-    control, sink = None, None
-    if world.leader:
-        from trainer.online_control import SqlTrainerControl, open_control_db
-        from trainer.release import PipelineReleaseSink
-
-        control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
-        sink = PipelineReleaseSink(settings.release_config()) if release else None
-    try:
-        report = run_online(settings, world=world, release_sink=sink, control=control,
-                            stop=stop)
-    finally:
-        leave_world(world)
-    if world.leader:
-        print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
     return 0
 
 

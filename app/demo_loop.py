@@ -177,7 +177,7 @@ class TrainerProcess:
     def __init__(self, settings: Settings) -> None:
         import multiprocessing
 
-        from app.cli import train_online_rank
+        from app.processes import train_online_rank
 
         self.process = multiprocessing.get_context("spawn").Process(
             target=train_online_rank, args=(settings.model_dump_json(), True), name="trainer",

@@ -1,0 +1,44 @@
+"""Entry points that run as a process of their own (`flywheel train-online`'s ranks, the
+demo's trainer), apart from the CLI that parses their flags: the demo starts one without
+importing the CLI, which imports the demo."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from app.settings import Settings
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets, so long-running commands stop cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def train_online_rank(settings_json: str, release: bool) -> int:
+    """One rank of `flywheel train-online` (the whole of it in the one-process world): the
+    leader takes the trainer control and the release pipeline, the others follow it."""
+    from trainer.distributed import join_world, leave_world
+    from trainer.online_loop import run_online
+
+    settings = Settings.model_validate_json(settings_json)
+    world = join_world(timeout_s=settings.online.collective_timeout_s)
+    stop = stop_on_signals()
+    control, sink = None, None
+    if world.leader:
+        from trainer.online_control import SqlTrainerControl, open_control_db
+        from trainer.release import PipelineReleaseSink
+
+        control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
+        sink = PipelineReleaseSink(settings.release_config()) if release else None
+    try:
+        report = run_online(settings, world=world, release_sink=sink, control=control,
+                            stop=stop)
+    finally:
+        leave_world(world)
+    if world.leader:
+        print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
+    return 0
