@@ -2,22 +2,27 @@
 and how often it refuses a damaged one.
 
 The served model is a bootstrapped one (`--model`, default `data/bootstrap/model`, what
-`make demo` leaves; built with the demo's bootstrap when missing). Each of `--trials` trials
-evaluates, with the release's held-out suite (`FLYWHEEL_RELEASE__EVAL__*`: the tasks, samples
-per task, temperature), the served model twice and a damaged copy of it once, every
-evaluation with its own sampling seeds, and asks the gate (`trainer.eval_gate.gate`):
+`make demo` leaves; built with the demo's bootstrap when missing); the damaged candidate is a
+copy of it with every tensor plus Gaussian noise of `--damage` times its own standard
+deviation (noise seed `--seed`). On a demo's version 0 (34% pass@1 at 0.7) noise of 0.1 cost
+1 point, 0.3 cost 8, 0.5 cost 31, and 0.4 anywhere from 3 to 34 with the noise seed: one
+damaged copy per run, whose drop the run measures (the mean over its trials), states what
+was caught. Each of `--trials` trials evaluates, with the release's held-out suite
+(`FLYWHEEL_RELEASE__EVAL__*`: the tasks, samples per task, temperature), the served model
+twice and the damaged copy once, every evaluation with sampling seeds of its own (`--seed`
+shifts them all: runs with different seeds are independent), and asks the gate
+(`trainer.eval_gate.gate`):
 - the served model against itself as the candidate: a refusal is a false refusal;
-- the damaged copy (every tensor plus Gaussian noise of `--damage` times its own standard
-  deviation, a new noise seed per trial) against the served model: a refusal is right.
+- the damaged copy against the served model: a refusal is right.
 The release pipeline samples both versions with the same seeds, which only makes their
 difference less noisy: independent seeds here are the harder case for both rates. The
 baseline in the same run is the gate before it (greedy pass@1, one episode per task, refusing
-a drop of more than 5 points) on the same damaged copies; against the served model itself it
-cannot err (greedy decoding repeats itself), its false refusals were of different candidates
-as good as the served one, which no trial here can construct. Ends with one JSON line:
-{"bench": "gate", "false_refusal_rate", "damaged_refusal_rate", "trials", ...}.
+a drop of more than 5 points) on the same damaged copy; greedy decoding repeats itself, so it
+decides once, and against the served model itself it cannot err: its false refusals were of
+different candidates as good as the served one, which no trial here can construct. Ends with
+one JSON line: {"bench": "gate", "false_refusal_rate", "damaged_refusal_rate", "trials", ...}.
 
-    .venv/bin/python bench/gate.py [--trials 20] [--damage 0.1] [--model DIR]
+    .venv/bin/python bench/gate.py [--trials 20] [--damage 0.4] [--seed 0] [--model DIR]
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ def damaged(weights: dict[str, Any], scale: float, seed: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--damage", type=float, default=0.1,
+    parser.add_argument("--damage", type=float, default=0.4,
                         help="noise per tensor, in units of the tensor's standard deviation")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the damage's noise seed; shifts every sampling seed too")
     parser.add_argument("--model", type=Path, default=Path("data/bootstrap/model"))
     args = parser.parse_args()
 
@@ -95,34 +102,35 @@ def main() -> int:
         "samples_per_task": 1, "temperature": 0.0, "max_drop_points": LEGACY_MARGIN_POINTS}),
         tasks=settings.bootstrap.tasks, harness=harness)
     greedy_served = greedy.evaluate(model, tokenizer)
+    broken = damaged(served_weights, args.damage, seed=args.seed)
+    model.load_state_dict(broken)
+    legacy = gate(greedy, Scores(greedy.evaluate(model, tokenizer).metrics),
+                  Scores(greedy_served.metrics))  # the bare margin: no per-task scores
     print(f"served {path}: greedy pass@1 {greedy_served.metrics['pass_at_1']:.1%} on "
-          f"{len(suite.tasks)} held-out tasks; {args.trials} trials of {cfg.samples_per_task} "
-          f"samples per task at temperature {cfg.temperature}", flush=True)
+          f"{len(suite.tasks)} held-out tasks, damaged {legacy.candidate['pass_at_1']:.1%} "
+          f"({'refused' if not legacy.passed else 'passed'} by the greedy 5-point gate); "
+          f"{args.trials} trials of {cfg.samples_per_task} samples per task at temperature "
+          f"{cfg.temperature}", flush=True)
 
-    false_refusals, refusals, legacy_refusals = 0, 0, 0
-    served_p, damaged_p, stderrs, legacy_damaged_p = [], [], [], []
+    false_refusals, refusals = 0, 0
+    served_p, damaged_p, stderrs = [], [], []
     for trial in range(args.trials):
+        seed = 10_000 * (3 * (args.seed * args.trials + trial) + 1)
         model.load_state_dict(served_weights)
-        first = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 1))
-        second = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 2))
-        model.load_state_dict(damaged(served_weights, args.damage, seed=trial))
-        bad = suite.evaluate_seeded(model, tokenizer, seed=10_000 * (2 * trial + 2))
+        first = suite.evaluate_seeded(model, tokenizer, seed=seed)
+        second = suite.evaluate_seeded(model, tokenizer, seed=seed + 10_000)
+        model.load_state_dict(broken)
+        bad = suite.evaluate_seeded(model, tokenizer, seed=seed + 20_000)
         same, worse = gate(suite, second, first), gate(suite, bad, first)
-        legacy = gate(greedy, Scores(greedy.evaluate(model, tokenizer).metrics),
-                      Scores(greedy_served.metrics))  # the bare margin: no per-task scores
         false_refusals += not same.passed
         refusals += not worse.passed
-        legacy_refusals += not legacy.passed
         served_p += [first.metrics["pass_at_1"], second.metrics["pass_at_1"]]
         damaged_p.append(bad.metrics["pass_at_1"])
-        legacy_damaged_p.append(legacy.candidate["pass_at_1"])
         stderrs += [c.stderr for c in (same.change, worse.change) if c is not None]
         print(f"trial {trial + 1}/{args.trials}: served {first.metrics['pass_at_1']:.1%} / "
               f"{second.metrics['pass_at_1']:.1%} ({'refused' if not same.passed else 'passed'}"
               f"), damaged {bad.metrics['pass_at_1']:.1%} "
-              f"({'refused' if not worse.passed else 'passed'}; greedy "
-              f"{legacy.candidate['pass_at_1']:.1%}: "
-              f"{'refused' if not legacy.passed else 'passed'})", flush=True)
+              f"({'refused' if not worse.passed else 'passed'})", flush=True)
 
     drop = 100 * (statistics.fmean(served_p) - statistics.fmean(damaged_p))
     print(json.dumps({
@@ -132,14 +140,14 @@ def main() -> int:
         "trials": args.trials,
         "tasks": len(suite.tasks), "samples_per_task": cfg.samples_per_task,
         "temperature": cfg.temperature, "max_drop_points": cfg.max_drop_points,
-        "confidence": cfg.confidence, "damage": args.damage,
+        "confidence": cfg.confidence, "damage": args.damage, "seed": args.seed,
         "served_pass_at_1": round(statistics.fmean(served_p), 4),
         "damaged_pass_at_1": round(statistics.fmean(damaged_p), 4),
         "damaged_drop_points": round(drop, 1),
         "stderr_points": round(100 * statistics.fmean(stderrs), 2),
         "legacy_greedy_served_pass_at_1": greedy_served.metrics["pass_at_1"],
-        "legacy_greedy_damaged_pass_at_1": round(statistics.fmean(legacy_damaged_p), 4),
-        "legacy_damaged_refusal_rate": round(legacy_refusals / args.trials, 3),
+        "legacy_greedy_damaged_pass_at_1": legacy.candidate["pass_at_1"],
+        "legacy_damaged_refused": not legacy.passed,
         "wall_s": round(time.monotonic() - started, 1)}))
     return 0
 
