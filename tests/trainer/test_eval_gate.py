@@ -7,22 +7,17 @@ import random
 
 import pytest
 
-from trainer.eval_gate import EvalSuite, Scores, gate, paired_change, t_quantile
+from trainer.bootstrap_config import BootstrapSettings
+from trainer.eval_gate import HeldOutTasksSuite, Scores, gate, paired_change, t_quantile
+from trainer.release_config import HeldOutTasksEval
 
 
-class TasksSuite(EvalSuite):
-    """The held-out tasks suite's decision settings, without a model to run."""
-
-    metric, higher_is_better = "pass_at_1", True
-
-    def __init__(self, *, tolerance: float = 0.02, confidence: float = 0.95) -> None:
-        self.tolerance, self.confidence = tolerance, confidence
-
-    def evaluate(self, model: object, tokenizer: object) -> Scores:
-        raise NotImplementedError
-
-    def describe(self, value: float) -> str:
-        return f"{100 * value:.1f}%"
+def held_out_suite(*, max_drop_points: float = 2.0) -> HeldOutTasksSuite:
+    """The held-out tasks suite the release pipeline builds; these tests hand its decision
+    scores, so no model runs."""
+    bootstrap = BootstrapSettings()
+    return HeldOutTasksSuite(HeldOutTasksEval(max_drop_points=max_drop_points),
+                             tasks=bootstrap.tasks, harness=bootstrap.harness(temperature=0.7))
 
 
 def scores(per_task: list[float]) -> Scores:
@@ -49,7 +44,7 @@ def test_paired_change_is_the_mean_difference_with_its_upper_bound() -> None:
 
 
 def test_the_same_scores_pass_and_a_clear_drop_is_refused() -> None:
-    suite = TasksSuite()
+    suite = held_out_suite()
     served = scores([1.0, 0.75, 0.5, 0.25, 0.0, 0.5])
     same = gate(suite, served, served)
     assert same.passed and same.change is not None and same.change.mean == 0
@@ -66,7 +61,7 @@ def test_a_drop_within_the_noise_is_not_refused() -> None:
     old gate refused (pass@1 60% -> 40% on five tasks)."""
     served = scores([1.0, 1.0, 1.0, 0.0, 0.0])
     candidate = scores([1.0, 0.0, 0.0, 1.0, 0.0])
-    assert gate(TasksSuite(), candidate, served).passed
+    assert gate(held_out_suite(), candidate, served).passed
 
 
 def test_error_rates_on_simulated_suites() -> None:
@@ -75,7 +70,7 @@ def test_error_rates_on_simulated_suites() -> None:
     rng = random.Random(0)
     rates = [rng.choice([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]) for _ in range(50)]
     damaged = [max(0.0, p - 0.15) for p in rates]
-    suite, trials = TasksSuite(), 400
+    suite, trials = held_out_suite(), 400
     false = sum(not gate(suite, sampled(rates, 8, rng), sampled(rates, 8, rng)).passed
                 for _ in range(trials))
     caught = sum(not gate(suite, sampled(damaged, 8, rng), sampled(rates, 8, rng)).passed
@@ -85,7 +80,7 @@ def test_error_rates_on_simulated_suites() -> None:
 
 
 def test_without_tasks_the_bare_margin_decides() -> None:
-    suite = TasksSuite(tolerance=0.05)
+    suite = held_out_suite(max_drop_points=5.0)
     assert gate(suite, Scores({"pass_at_1": 0.56}), Scores({"pass_at_1": 0.6})).passed
     refused = gate(suite, Scores({"pass_at_1": 0.5}), Scores({"pass_at_1": 0.6}))
     assert not refused.passed and refused.change is None
