@@ -124,7 +124,8 @@ def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
         served_weights = head_weights(config, served.version, served.sha256)
         weights = load_candidate(path, config.model_dir)
         sha = state_dict_sha256(weights)
-        decision = evaluate(config, served_weights, weights)
+        decision = evaluate(config, served_weights, weights, served_sha256=served.sha256,
+                            candidate_sha256=sha)
         if not decision.passed:
             return record(ctx.db, version, status="rejected", reason=decision.reason,
                           sha256=sha, eval_summary=decision.summary(), parent=served.version)

@@ -4,7 +4,8 @@ Each function is given what it needs (a `ReleaseConfig`, weights); trainer/relea
 them in order and keeps the history and the announcements.
 
     weights = load_candidate(path, config.model_dir)
-    decision = evaluate(config, served_weights, weights)
+    decision = evaluate(config, served_weights, weights, served_sha256=...,
+                        candidate_sha256=state_dict_sha256(weights))
     uris = store_release(config, served_weights, weights, base=..., target=..., snapshot=False)
 """
 
@@ -107,24 +108,25 @@ def head_weights(config: ReleaseConfig, version: int, sha256: str) -> Weights:
     return weights
 
 
-def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights) -> GateDecision:
+def evaluate(config: ReleaseConfig, served: Weights, candidate: Weights, *,
+             served_sha256: str, candidate_sha256: str) -> GateDecision:
     """Score both with the configured suite on the base model architecture. Scores are cached
-    by the weights' sha256: one served version meets many candidates, and a candidate that
-    ships is the next one's served version."""
+    by the weights' sha256 (the caller's: `state_dict_sha256` of each): one served version
+    meets many candidates, and a candidate that ships is the next one's served version."""
     from transformers import AutoTokenizer
 
     model = load_model(config.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
     suite = build_eval_suite(config.release.eval, tasks=config.tasks, harness=config.harness)
-    return gate(suite, _scores(config, suite, model, tokenizer, candidate),
-                _scores(config, suite, model, tokenizer, served))
+    return gate(suite, _scores(config, suite, model, tokenizer, candidate, candidate_sha256),
+                _scores(config, suite, model, tokenizer, served, served_sha256))
 
 
 def _scores(config: ReleaseConfig, suite: EvalSuite, model: Any, tokenizer: Any,
-            weights: Weights) -> Scores:
+            weights: Weights, sha256: str) -> Scores:
     key = hashlib.sha256(json.dumps([
         config.release.eval.model_dump(mode="json"), config.tasks.model_dump(mode="json"),
-        repr(config.harness), state_dict_sha256(weights)]).encode()).hexdigest()
+        repr(config.harness), sha256]).encode()).hexdigest()
     path = config.cache_dir / "eval" / f"{key}.json"
     if path.exists():
         cached = json.loads(path.read_text())
