@@ -1,8 +1,8 @@
 """The eval gate's error rates: how often it refuses a candidate as good as the served version,
 and how often it refuses a damaged one.
 
-The served model is a bootstrapped one (`--model`, default `data/bootstrap/model`, what
-`make demo` leaves; built with the demo's bootstrap when missing); the damaged candidate is a
+The served model is a bootstrapped one (`--model`; default the one `make demo` leaves in
+`<data dir>/bootstrap/model`, built as the demo builds it when missing); the damaged candidate is a
 copy of it with every tensor plus Gaussian noise of `--damage` times its own standard
 deviation (noise seed `--seed`). On a demo's version 0 (34% pass@1 at 0.7) noise of 0.1 cost
 1 point, 0.3 cost 8, 0.5 cost 31, and 0.4 anywhere from 3 to 34 with the noise seed: one
@@ -42,19 +42,15 @@ from app.settings import Settings  # noqa: E402
 LEGACY_MARGIN_POINTS = 5.0  # the gate before the paired test: greedy, a bare 5-point margin
 
 
-def served_model(settings: Settings, path: Path) -> Path:
-    """`path` if it holds a model, else the demo's bootstrap of a fresh base model there."""
-    if (path / "config.json").exists():
+def served_model(settings: Settings, path: Path | None) -> Path:
+    """`path`, or the demo's bootstrapped model under the data dir (built when missing)."""
+    if path is not None:
+        if not (path / "config.json").exists():
+            raise SystemExit(f"bench/gate.py: no model in {path}")
         return path
-    from app.demo_loop import DemoPlan, demo_settings
-    from trainer.init_model import init_model
-    from trainer.offline import run_bootstrap
+    from app.demo_loop import DemoPlan, bootstrapped_model, demo_settings
 
-    settings = demo_settings(settings, DemoPlan())
-    run_dir = path.parent
-    base = init_model(settings.model, run_dir / "base")
-    run_bootstrap(settings.bootstrap, base, run_dir)
-    return path
+    return bootstrapped_model(demo_settings(settings, DemoPlan()))[0]
 
 
 def damaged(weights: dict[str, Any], scale: float, seed: int) -> dict[str, Any]:
@@ -78,7 +74,8 @@ def main() -> int:
                         help="noise per tensor, in units of the tensor's standard deviation")
     parser.add_argument("--seed", type=int, default=0,
                         help="the damage's noise seed; shifts every sampling seed too")
-    parser.add_argument("--model", type=Path, default=Path("data/bootstrap/model"))
+    parser.add_argument("--model", type=Path,
+                        help="the served model (default: the demo's, data/bootstrap/model)")
     args = parser.parse_args()
 
     import torch
@@ -90,7 +87,7 @@ def main() -> int:
     started = time.monotonic()
     settings = Settings()
     torch.set_num_threads(1)
-    path = served_model(settings, args.model.resolve())
+    path = served_model(settings, args.model and args.model.resolve())
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     served_weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
