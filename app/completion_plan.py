@@ -17,12 +17,12 @@ from app.openai_schemas import (
     MAX_STOP,
     MIN_TEMPERATURE,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     Usage,
 )
 from app.services import Services
 from app.token_bytes import max_token_bytes
+from app.tool_calls import CallEvent, CallParser, ToolPlan
 from ingest.events import SamplingParams
 from serving.engine import GenerationDelta, GenerationRequest, GenerationResult, TopLogprobs
 
@@ -47,8 +47,10 @@ class Choice:
     result: GenerationResult | None = None
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    calls: CallParser | None = None  # with tools: the text split into content and calls
 
-    def absorb(self, delta: GenerationDelta) -> None:
+    def absorb(self, delta: GenerationDelta) -> list[str | CallEvent]:
+        """Take one delta; returns what it adds to the reply: content and completed calls."""
         if self.first_token_at is None and delta.token_ids:
             self.first_token_at = time.perf_counter()
         self.tokens += delta.token_ids
@@ -57,11 +59,16 @@ class Choice:
         self.text += delta.text
         if delta.result is not None:
             self.result = delta.result
+        if self.calls is None:
+            return [delta.text] if delta.text else []
+        events = self.calls.feed(delta.text)
+        return events + self.calls.finish() if delta.result is not None else events
 
     @property
-    def finish_reason(self) -> Literal["stop", "length"]:
-        return "stop" if self.result is not None and self.result.finish_reason == "stop" \
-            else "length"
+    def finish_reason(self) -> Literal["stop", "length", "tool_calls"]:
+        if self.result is None or self.result.finish_reason != "stop":
+            return "length"
+        return "tool_calls" if self.calls is not None and self.calls.calls else "stop"
 
 
 @dataclass
@@ -78,6 +85,7 @@ class Plan:
     session_id: str | None
     user: str | None
     request_id: str  # the request's X-Request-Id (app/guard.py)
+    tools: ToolPlan | None = None  # chat with tools: the reply's text is parsed for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -112,10 +120,11 @@ def refuse_unfittable(services: Services, texts: list[str], param: str) -> None:
                        f"at least {least} tokens.", param=param, code="context_length_exceeded")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
-        add_generation_prompt=True)
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """`messages` (app.tool_calls.check_messages) through the model's chat template."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -137,7 +146,7 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
 
 def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
          prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, *,
-         request_id: str | None = None) -> Plan:
+         request_id: str | None = None, tools: ToolPlan | None = None) -> Plan:
     engine, cfg = services.engine, services.settings.engine
     if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -175,12 +184,14 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     choices = []
     for i in range(len(prompts) * body.n):
         seed = None if body.seed is None else body.seed + i % body.n
-        choices.append(Choice(index=i, prompt=prompts[i // body.n], request=GenerationRequest(
+        choices.append(Choice(index=i, prompt=prompts[i // body.n], calls=CallParser(tools)
+                              if tools is not None else None, request=GenerationRequest(
             prompt_token_ids=prompts[i // body.n], max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            top_logprobs=logprobs or 0)))
+            top_logprobs=logprobs or 0,
+            structural_tag=tools.structural_tag if tools is not None else None)))
     return Plan(kind=kind, model=body.model or SERVED_MODEL, choices=choices, prompts=prompts,
                 sampling=sampling, logprobs=logprobs,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 session_id=body.session_id, user=body.user,
-                request_id=request_id or f"req-{uuid.uuid4().hex}")
+                request_id=request_id or f"req-{uuid.uuid4().hex}", tools=tools)

@@ -13,13 +13,16 @@ from fastapi import Request
 from app.completion_plan import Choice, Plan
 from app.errors import ApiError
 from app.services import Services
+from app.tool_calls import CallEvent
 from ingest.events import GenerationLogged, PackedArray
 from serving.engine import EngineClosedError, EngineError, GenerationDelta
 
+Step = tuple[Choice, GenerationDelta, list[str | CallEvent]]
 
-async def run_choices(services: Services, p: Plan
-                      ) -> AsyncGenerator[tuple[Choice, GenerationDelta], None]:
-    """Merge the choices' engine streams; on exit (done, error or cancel) log every choice."""
+
+async def run_choices(services: Services, p: Plan) -> AsyncGenerator[Step, None]:
+    """Merge the choices' engine streams: each delta with the content and calls it completed.
+    On exit (done, error or cancel) log every choice."""
     events: asyncio.Queue[tuple[Choice, GenerationDelta | Exception | None]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -41,8 +44,7 @@ async def run_choices(services: Services, p: Plan
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    choice.absorb(item)
-                    yield choice, item
+                    yield choice, item, choice.absorb(item)
     finally:
         for task in tasks:
             task.cancel()
@@ -75,6 +77,9 @@ def log_choice(services: Services, p: Plan, choice: Choice) -> None:
         latency_s=now - choice.started,
         ttft_s=(choice.first_token_at - choice.started) if choice.first_token_at else None,
         finish_reason=event.finish_reason)
+    if choice.calls is not None and choice.calls.invalid:
+        services.metrics.invalid_tool_calls.labels(model_version=str(version.number)).inc(
+            len(choice.calls.invalid))
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -123,6 +123,12 @@ class Metrics:
         self.batch_size = Histogram("flywheel_engine_batch_size",
                                     "Rows in each batched decode step",
                                     buckets=_BATCH_BUCKETS, registry=r)
+        # blocks that look like a call but do not parse or name no offered tool, by the
+        # version that wrote them: a rising rate is a known reward hack (dodging negative
+        # reward with broken calls)
+        self.invalid_tool_calls = Counter(
+            "flywheel_invalid_tool_calls", "Tool calls the model wrote that did not parse or "
+            "named a tool the request did not offer", ["model_version"], registry=self.registry)
         self.feedback_events = Counter("flywheel_feedback_events", "Feedback events accepted "
                                        "by the webhooks", ["outcome"], registry=r)
         self.feedback_rejected = Counter("flywheel_feedback_rejected", "Webhook requests "

@@ -9,6 +9,11 @@ scaling (what the trainer recomputes as log_softmax(logits / T)); nucleus trunca
 which tokens may be drawn but does not renormalize the reported logprob; the nucleus always
 holds the most likely token, however small `top_p` (its limit as top_p -> 0 is greedy). Greedy
 decoding (temperature 0) takes the argmax and reports the raw log_softmax.
+
+A row with an `allowed` mask (constrained decoding, serving/grammar.py) samples from its
+logits with every other token at -inf: its distribution, and so the logprob it reports, is
+the one renormalized over the allowed tokens, which is what was actually sampled from (a
+token the grammar forces has logprob 0).
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ class RowSampling:
     temperature: float
     top_p: float
     generator: torch.Generator
+    allowed: torch.Tensor | None = None  # (V,) bool: the only tokens it may sample
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]
                 ) -> tuple[list[int], list[float], torch.Tensor]:
     """Sample one token per row of `logits` (B, V): (tokens, their logprobs, logprobs (B, V))."""
     logits = logits.float()
+    masked = [b for b, r in enumerate(rows) if r.allowed is not None]
+    if masked:
+        logits = logits.clone()
+        for b in masked:
+            logits[b].masked_fill_(~rows[b].allowed, float("-inf"))  # type: ignore[operator]
     temperature = torch.tensor([[r.temperature if r.temperature > 0 else 1.0] for r in rows])
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     tokens = logits.argmax(dim=-1)  # the greedy rows' answer
@@ -64,4 +75,6 @@ def top_alternatives(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     if k <= 0:
         return []
     values, indices = torch.topk(logprobs, k)
-    return [(int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    # a token a grammar masked out (-inf) is no alternative
+    return [(int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+            if v != float("-inf")]

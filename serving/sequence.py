@@ -23,6 +23,7 @@ from serving.engine import (
     ModelVersion,
     TopLogprobs,
 )
+from serving.grammar import TokenGrammar
 from serving.sampling import RowSampling, top_alternatives
 
 
@@ -43,16 +44,18 @@ class EngineSequence:
     routes: list[torch.Tensor] = field(default_factory=list)  # each (n, L, K) int16
     cancelled: bool = False
     weights_epoch: int = 0  # the engine's weights when prefilled: cache its KV only if current
+    grammar: TokenGrammar | None = None  # the request's structural tag, when it has one
 
     @classmethod
     def open(cls, request: GenerationRequest, tokenizer: Any, *, seed: int,
-             eos_ids: frozenset[int], want_deltas: bool) -> EngineSequence:
+             eos_ids: frozenset[int], want_deltas: bool,
+             grammar: TokenGrammar | None = None) -> EngineSequence:
         """A sequence whose deltas go to the running event loop."""
         return cls(request=request, generator=torch.Generator().manual_seed(seed),
                    loop=asyncio.get_running_loop(), out=asyncio.Queue(),
                    text=TextTracker(tokenizer, request.stop, incremental=want_deltas),
                    stop_ids=eos_ids | frozenset(request.stop_token_ids),
-                   want_deltas=want_deltas)
+                   want_deltas=want_deltas, grammar=grammar)
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """Its deltas up to the last (or its error); closing this early cancels it."""
@@ -74,7 +77,8 @@ class EngineSequence:
 
     @property
     def sampling(self) -> RowSampling:
-        return RowSampling(self.request.temperature, self.request.top_p, self.generator)
+        return RowSampling(self.request.temperature, self.request.top_p, self.generator,
+                           self.grammar.allowed() if self.grammar is not None else None)
 
     def accept(self, token: int, logprob: float, logprobs: torch.Tensor,
                version: ModelVersion) -> bool:
@@ -87,8 +91,11 @@ class EngineSequence:
         if req.top_logprobs:
             self.tops.append(tops)
         text = self.text.push(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         finish: FinishReason | None = None
-        if token in self.stop_ids or self.text.stopped:
+        if token in self.stop_ids or self.text.stopped or (
+                self.grammar is not None and self.grammar.done):
             finish = "stop"
         elif len(self.tokens) >= req.max_tokens:
             finish = "length"

@@ -58,6 +58,7 @@ from serving.engine import (
     SwapTiming,
     collect,
 )
+from serving.grammar import Grammars
 from serving.hot_swap import swap
 from serving.prefix_cache import PrefixCache, PrefixHit
 from serving.sampling import sample_rows
@@ -96,6 +97,7 @@ class TorchEngine:
         self._rng = random.Random(seed)
         self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
                                   if i is not None)
+        self._grammars = Grammars(tokenizer, int(model.config.vocab_size), self._eos_ids)
         self._inbox: queue.SimpleQueue[EngineSequence | None] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
@@ -166,8 +168,10 @@ class TorchEngine:
             raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
                               f"exceeds the context ({self.max_context})")
         seed = request.seed if request.seed is not None else self._rng.getrandbits(63)
+        grammar = self._grammars.open(request.structural_tag) \
+            if request.structural_tag is not None else None
         seq = EngineSequence.open(request, self.tokenizer, seed=seed, eos_ids=self._eos_ids,
-                                  want_deltas=want_deltas)
+                                  want_deltas=want_deltas, grammar=grammar)
         self._inbox.put(seq)
         return seq
 

@@ -51,6 +51,14 @@ from app.openai_schemas import (
 )
 from app.services import Services
 from app.token_bytes import token_bytes, token_text
+from app.tool_calls import (
+    CallEvent,
+    check_messages,
+    content_of,
+    template_renders_tools,
+    tool_call_dicts,
+    tool_plan,
+)
 from serving.engine import GenerationDelta, TopLogprobs
 
 log = logging.getLogger(__name__)
@@ -85,13 +93,21 @@ def _completion_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float
                               text_offset=offsets)
 
 
+def _message(choice: Choice) -> AssistantMessage:
+    if choice.calls is None:
+        return AssistantMessage(content=choice.text)
+    calls = tool_call_dicts(choice.calls.calls)
+    return AssistantMessage.model_validate({"content": content_of(choice.calls),
+                                            "tool_calls": calls or None})
+
+
 def chat_response(services: Services, p: Plan) -> ChatCompletionResponse:
     tok = services.tokenizer
     return ChatCompletionResponse(
         id=p.id, created=p.created, model=p.model,
         system_fingerprint=p.fingerprint(services.engine.version.fingerprint),
         choices=[ChatChoice(
-            index=c.index, message=AssistantMessage(content=c.text),
+            index=c.index, message=_message(c),
             logprobs=_chat_logprobs(tok, c.tokens, c.logprobs, c.tops)
             if p.logprobs is not None else None,
             finish_reason=c.finish_reason, generation_id=c.generation_id) for c in p.choices],
@@ -107,7 +123,8 @@ def completion_response(services: Services, p: Plan) -> CompletionResponse:
             index=c.index, text=c.text,
             logprobs=_completion_logprobs(tok, c.tokens, c.logprobs, c.tops)
             if p.logprobs is not None else None,
-            finish_reason=c.finish_reason, generation_id=c.generation_id) for c in p.choices],
+            finish_reason="length" if c.finish_reason == "length" else "stop",  # no tools here
+            generation_id=c.generation_id) for c in p.choices],
         usage=p.usage())
 
 
@@ -126,26 +143,49 @@ def _chunk(services: Services, p: Plan, choices: list[dict[str, Any]],
     return _sse(body)
 
 
-def _delta_choice(services: Services, p: Plan, choice: Choice, delta: GenerationDelta
-                  ) -> dict[str, Any]:
+def _call_deltas(event: CallEvent) -> list[dict[str, Any]]:
+    """A completed call as OpenAI streams one: index, id and name once, then the arguments in
+    pieces."""
+    head = {"index": event.index, "id": event.id, "type": "function",
+            "function": {"name": event.call.name, "arguments": ""}}
+    return [{"tool_calls": [head]}] + [
+        {"tool_calls": [{"index": event.index, "function": {"arguments": piece}}]}
+        for piece in event.call.argument_pieces()]
+
+
+def _delta_choices(services: Services, p: Plan, choice: Choice, delta: GenerationDelta,
+                   events: list[str | CallEvent]) -> list[dict[str, Any]]:
+    """The chunks' choices for one engine delta: its content (and logprobs), then any call
+    it completed, the last one carrying the finish reason."""
     tok = services.tokenizer
-    finish = choice.finish_reason if delta.result is not None else None
-    out: dict[str, Any] = {"index": choice.index, "finish_reason": finish, "logprobs": None}
-    if p.kind == "chat":
-        out["delta"] = {"content": delta.text} if delta.text or finish is None else {}
-        if p.logprobs is not None:
-            out["logprobs"] = _chat_logprobs(tok, delta.token_ids, delta.logprobs,
-                                             delta.top_logprobs).model_dump()
-    else:
-        out["text"] = delta.text
+    finish: str | None = choice.finish_reason if delta.result is not None else None
+    if p.kind != "chat":
+        out: dict[str, Any] = {"index": choice.index, "text": delta.text,
+                               "finish_reason": finish, "logprobs": None}
         if p.logprobs is not None:
             out["logprobs"] = _completion_logprobs(tok, delta.token_ids, delta.logprobs,
                                                    delta.top_logprobs).model_dump()
-    return out
+        return [out]
+    text = "".join(e for e in events if isinstance(e, str))
+    first: dict[str, Any] = {"content": text} if text else {}
+    deltas = [first]
+    for event in events:
+        if isinstance(event, CallEvent):
+            deltas += _call_deltas(event)
+    if p.logprobs is None and not first and len(deltas) > 1:
+        deltas = deltas[1:]  # nothing in the first: the calls' chunks carry it
+    chunks: list[dict[str, Any]] = [
+        {"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None}
+        for d in deltas]
+    if p.logprobs is not None:
+        chunks[0]["logprobs"] = _chat_logprobs(tok, delta.token_ids, delta.logprobs,
+                                               delta.top_logprobs).model_dump()
+    chunks[-1]["finish_reason"] = finish
+    return chunks
 
 
 async def sse_events(services: Services, p: Plan) -> AsyncIterator[str]:
-    """The SSE body: role chunks (chat), one chunk per delta, usage if asked, [DONE]."""
+    """The SSE body: role chunks (chat), the chunks of each delta, usage if asked, [DONE]."""
     if p.kind == "chat":
         yield _chunk(services, p, [{"index": c.index, "delta": {"role": "assistant",
                                                                 "content": ""},
@@ -153,9 +193,14 @@ async def sse_events(services: Services, p: Plan) -> AsyncIterator[str]:
                                    for c in p.choices])
     runner = run_choices(services, p)
     try:
-        async for choice, delta in runner:
-            if delta.token_ids or delta.text or delta.result is not None:
-                yield _chunk(services, p, [_delta_choice(services, p, choice, delta)])
+        async for choice, delta, events in runner:
+            if not (delta.token_ids or delta.text or delta.result is not None):
+                continue
+            for piece in _delta_choices(services, p, choice, delta, events):
+                if piece.get("delta") == {} and piece["finish_reason"] is None \
+                        and piece["logprobs"] is None:
+                    continue  # text held back (it may begin a call): nothing to say yet
+                yield _chunk(services, p, [piece])
     except Exception as exc:  # the status is sent: the error goes in the stream
         log.exception("streamed generation of %s failed", p.request_id)
         yield _sse(ApiError(500, f"generation failed: {exc}").body(p.request_id))
@@ -197,13 +242,24 @@ _RESPONSES = {200: _STREAMED, **error_responses(400, 404, 503)}  # + 413, 500: a
              responses=_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
                            request: Request, response: Response) -> Any:
-    refuse_unfittable(services, [m.text() for m in body.messages], "messages")
-    prompt = chat_prompt_ids(services.tokenizer, body.messages)
+    texts = [m.text() for m in body.messages]
+    refuse_unfittable(services, texts + [json.dumps([t.model_dump() for t in body.tools or []])],
+                      "messages")
+    messages = check_messages(body.messages)
+    tools = tool_plan(body, services.settings.engine.tool_parser)
+    if tools is not None and not template_renders_tools(services.tokenizer):
+        raise ApiError(400, "this model's chat template does not render tools, so the model "
+                       "would never see them", param="tools")
+    prompt = chat_prompt_ids(services.tokenizer, messages, tools.tools if tools else None)
+    if tools is not None and len(prompt) >= services.engine.max_context:
+        raise ApiError(400, f"the tools and messages take {len(prompt)} tokens, past this "
+                       f"model's maximum context length of {services.engine.max_context}",
+                       param="tools", code="context_length_exceeded")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     p = plan(services, "chat", body, [prompt], body.max_completion_tokens or body.max_tokens,
-             logprobs, request_id=request_id_of(request))
+             logprobs, request_id=request_id_of(request), tools=tools)
     return await respond(services, p, request, response, stream=body.stream)
 
 
