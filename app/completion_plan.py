@@ -22,9 +22,10 @@ from app.openai_schemas import (
 )
 from app.services import Services
 from app.token_bytes import max_token_bytes
-from app.tool_calls import CallEvent, CallParser, ToolPlan
+from app.tool_calls import ToolPlan
 from ingest.events import SamplingParams
 from serving.engine import GenerationDelta, GenerationRequest, GenerationResult, TopLogprobs
+from serving.tool_parsers import CallEvent, CallParser
 
 GENERATION_HEADER = "X-Flywheel-Generation-Id"
 GENERATION_IDS_HEADER = "X-Flywheel-Generation-Ids"
@@ -184,7 +185,7 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     choices = []
     for i in range(len(prompts) * body.n):
         seed = None if body.seed is None else body.seed + i % body.n
-        choices.append(Choice(index=i, prompt=prompts[i // body.n], calls=CallParser(tools)
+        choices.append(Choice(index=i, prompt=prompts[i // body.n], calls=tools.parser()
                               if tools is not None else None, request=GenerationRequest(
             prompt_token_ids=prompts[i // body.n], max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, stop=stop,

@@ -13,9 +13,9 @@ from fastapi import Request
 from app.completion_plan import Choice, Plan
 from app.errors import ApiError
 from app.services import Services
-from app.tool_calls import CallEvent
 from ingest.events import GenerationLogged, PackedArray
 from serving.engine import EngineClosedError, EngineError, GenerationDelta
+from serving.tool_parsers import CallEvent
 
 Step = tuple[Choice, GenerationDelta, list[str | CallEvent]]
 

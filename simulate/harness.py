@@ -1,26 +1,30 @@
 """The multi-turn agent loop: the model calls tools, tools answer, until it finishes.
 
 The loop is one piece of code for every way of reaching a model, through `ModelTurns`: open a
-context window, add a turn that is not the model's, sample the model's turn. Two backends:
+context window with the tools, add turns that are not the model's (tool results, a user's
+nudge), sample the model's turn and get its tool calls. Two backends:
 
 - `EngineTurns` (this module): token ids on an `Engine` in this process, what the bootstrap's
-  rollouts train on. A conversation is ChatML built token by token (never re-tokenized), so
-  the ids the trainer sees are exactly the ids the engine saw and sampled:
+  rollouts train on. A window is the model's chat template built token by token, exactly as
+  the server renders it (the first prompt through the template itself, then each piece in
+  the template's words), and the model's turns are the ids it sampled, never re-tokenized:
 
-    <|im_start|>system\n{tool instructions}<|im_end|>\n
+    <|im_start|>system\n{system prompt}\n\n# Tools ... <tools>...</tools> ...<|im_end|>\n
     <|im_start|>user\n{task prompt}<|im_end|>\n
-    <|im_start|>assistant\n{tool call}<|im_end|>\n      <- model tokens: loss mask 1
-    <|im_start|>tool\n{observation}<|im_end|>\n          <- environment: loss mask 0
-    <|im_start|>assistant\n ...                          up to `max_turns` model turns
+    <|im_start|>assistant\n<tool_call>...</tool_call><|im_end|>\n   <- sampled: loss mask 1
+    <|im_start|>user\n<tool_response>\n{observation}\n</tool_response>\n<|im_end|>\n
+    <|im_start|>assistant\n ...                           up to `max_turns` model turns
 
-- `simulate.developers.ChatTurns`: chat messages to an OpenAI-compatible endpoint, one chat
-  completion per model turn, as an editor's agent calls Flywheel's API (the server logs the
-  tokens it served).
+  Its calls are parsed from the sampled text by the parser the server uses.
+- `simulate.developers.ChatTurns`: OpenAI function calling against a Flywheel endpoint with
+  the official client, one chat completion per model turn, as an editor's agent calls it (the
+  server logs the tokens it served).
 
-Self-summarization: when the context passes `context_budget` tokens, the harness asks the
-model to summarize its progress; the summary is sampled (and trained) like any model turn, then
-a fresh context starts from the system prompt, the task and that summary. Each context window
-is one segment; a trajectory is the list of its segments, all sharing the episode's reward.
+A turn without a call gets a user message asking for one. Self-summarization: when the
+context passes `context_budget` tokens, the harness asks the model to summarize its progress;
+the summary is sampled (and trained) like any model turn, then a fresh context starts from
+the system prompt, the task and that summary. Each context window is one segment; a
+trajectory is the list of its segments, all sharing the episode's reward.
 """
 
 from __future__ import annotations
@@ -32,21 +36,29 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from serving.engine import Engine, GenerationRequest, GenerationResult
+from serving.tool_parsers import FORMATS, CallParser, parse_text
 from simulate.rewards import Reward
+from simulate.tools import DEFAULT_FORMAT, ToolCall
 
 SUMMARIZE_PROMPT = "Context is full. Summarize your progress so far in a few lines."
 SUMMARY_PREFIX = "Summary of your earlier progress:\n"
+NO_CALL = "error: no tool call. Call one of the tools."
 
 
 class ToolEnvironment(Protocol):
-    """One episode's world: turns model text into an observation, and scores the end state."""
+    """One episode's world: runs the model's tool calls, and scores the end state."""
 
     def system_prompt(self) -> str: ...
 
     def task_prompt(self) -> str: ...
 
-    def step(self, text: str) -> tuple[str, bool]:
-        """Run the tool call in `text`; return (observation, episode done)."""
+    def tools(self) -> list[dict[str, Any]]:
+        """The tools it offers, as OpenAI function tools."""
+        ...
+
+    def step(self, calls: list[ToolCall]) -> tuple[list[str], bool]:
+        """Run the calls in order; return an observation per call run and whether the
+        episode is done (calls after the one that ended it are not run)."""
         ...
 
     def reward(self) -> Reward:
@@ -62,6 +74,14 @@ class HarnessConfig:
     top_p: float = 1.0
     context_budget: int = 1024  # tokens in one context before self-summarization
     max_summaries: int = 2
+
+
+@dataclass(frozen=True)
+class ModelTurn:
+    """What the model said in one turn: all of it as text, and the calls in it."""
+
+    text: str
+    calls: list[ToolCall]
 
 
 @dataclass(frozen=True)
@@ -86,20 +106,26 @@ class ModelTurns(Protocol[W]):
         backend)."""
         ...
 
-    def open(self, system: str, user: str, *extra_user: str) -> W:
-        """A fresh window: the system prompt, the user turns, the assistant's header."""
+    def open(self, tools: list[dict[str, Any]], system: str, user: str,
+             *extra_user: str) -> W:
+        """A fresh window: the tools, the system prompt, the user turns, the assistant's
+        header."""
         ...
 
-    def add(self, window: W, role: str, content: str) -> None:
-        """Append a whole turn that is not the model's, then the assistant's header."""
+    def add(self, window: W, content: str) -> None:
+        """Append a user turn, then the assistant's header."""
+        ...
+
+    def add_results(self, window: W, results: list[tuple[ToolCall, str]]) -> None:
+        """Append the results of the last turn's calls, then the assistant's header."""
         ...
 
     def length(self, window: W) -> int:
         """Tokens in `window` as far as the backend knows."""
         ...
 
-    async def reply(self, window: W, sampling: Sampling) -> str:
-        """Sample the model's turn into `window`; returns its text."""
+    async def reply(self, window: W, sampling: Sampling) -> ModelTurn:
+        """Sample the model's turn into `window`."""
         ...
 
 
@@ -108,12 +134,14 @@ class Segment:
     """One context window of `EngineTurns`. All lists have the length of `token_ids`;
     logprobs are 0 where the mask is 0. `routes` (rows, layers, k): the experts of the
     window's first `rows` positions as the engine routed them in its last call (later untrained
-    tokens have none)."""
+    tokens have none). `schemas`: the window's tools (their parameters by name), to parse the
+    model's calls against."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: np.ndarray | None = None
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def extend(self, ids: list[int], *, model: bool = False,
                logprobs: list[float] | None = None) -> None:
@@ -144,7 +172,9 @@ def model_tokens(trajectory: Trajectory[Segment]) -> int:
 
 
 class ChatTokens:
-    """ChatML pieces as token ids for one tokenizer."""
+    """The chat template's pieces as token ids for one tokenizer: what the template renders,
+    encoded the way the server encodes it (special tokens split out, so pieces join to the
+    ids of the whole text)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -164,37 +194,53 @@ class ChatTokens:
     def turn(self, role: str, content: str) -> list[int]:
         return [*self.open(role), *self.encode(content), self.im_end, *self.newline]
 
-    def prompt(self, system: str, user: str, *extra_user: str) -> list[int]:
-        ids = self.turn("system", system) + self.turn("user", user)
-        for text in extra_user:
-            ids += self.turn("user", text)
-        return ids + self.open("assistant")
+    def prompt(self, system: str, user: str, *extra_user: str,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The first prompt of a conversation, through the template, up to the assistant's
+        header."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        messages += [{"role": "user", "content": text} for text in extra_user]
+        return self.encode(self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True))
+
+    def tool_results(self, observations: list[str]) -> list[int]:
+        """Tool results as the template writes them: one user turn of <tool_response>s."""
+        blocks = "".join(f"<tool_response>\n{o}\n</tool_response>\n" for o in observations)
+        return self.turn("user", blocks)
 
 
 class EngineTurns:
-    """`ModelTurns` on an in-process `Engine`: ChatML token ids, the sampled tokens'
-    logprobs and routes kept for training (`Segment`)."""
+    """`ModelTurns` on an in-process `Engine`: the template's token ids, the sampled tokens'
+    logprobs and routes kept for training (`Segment`), calls parsed by `parser`."""
 
-    def __init__(self, engine: Engine, chat: ChatTokens) -> None:
+    def __init__(self, engine: Engine, chat: ChatTokens, *, parser: str = DEFAULT_FORMAT
+                 ) -> None:
         self.engine = engine
         self.chat = chat
+        self.format = FORMATS[parser]
 
     @property
     def version(self) -> int:
         return self.engine.version.number
 
-    def open(self, system: str, user: str, *extra_user: str) -> Segment:
-        segment = Segment()
-        segment.extend(self.chat.prompt(system, user, *extra_user))
+    def open(self, tools: list[dict[str, Any]], system: str, user: str,
+             *extra_user: str) -> Segment:
+        segment = Segment(schemas={t["function"]["name"]: t["function"].get("parameters", {})
+                                   for t in tools})
+        segment.extend(self.chat.prompt(system, user, *extra_user, tools=tools))
         return segment
 
-    def add(self, window: Segment, role: str, content: str) -> None:
-        window.extend(self.chat.turn(role, content) + self.chat.open("assistant"))
+    def add(self, window: Segment, content: str) -> None:
+        window.extend(self.chat.turn("user", content) + self.chat.open("assistant"))
+
+    def add_results(self, window: Segment, results: list[tuple[ToolCall, str]]) -> None:
+        window.extend(self.chat.tool_results([observation for _, observation in results])
+                      + self.chat.open("assistant"))
 
     def length(self, window: Segment) -> int:
         return len(window)
 
-    async def reply(self, window: Segment, sampling: Sampling) -> str:
+    async def reply(self, window: Segment, sampling: Sampling) -> ModelTurn:
         budget = self.engine.max_context - len(window)
         result = await self.engine.generate(GenerationRequest(
             prompt_token_ids=list(window.token_ids),
@@ -202,7 +248,10 @@ class EngineTurns:
             temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
             stop_token_ids=(self.chat.im_end,)))
         self._append_model(window, result)
-        return self.chat.decode([t for t in result.token_ids if t != self.chat.im_end])
+        text = self.chat.decode([t for t in result.token_ids if t != self.chat.im_end])
+        parsed = parse_text(CallParser(self.format, window.schemas), text)
+        return ModelTurn(text, [ToolCall(e.call.name, e.call.arguments, e.id)
+                                for e in parsed.calls])
 
     def _append_model(self, segment: Segment, result: GenerationResult) -> None:
         segment.extend(list(result.token_ids), model=True, logprobs=list(result.logprobs))
@@ -228,22 +277,25 @@ class Harness(Generic[W]):
     async def run(self, env: ToolEnvironment, *, task_id: str, seed: int | None = None,
                   policy_version: int | None = None) -> Trajectory[W]:
         version = policy_version if policy_version is not None else self.model.version
-        window = self.model.open(env.system_prompt(), env.task_prompt())
+        window = self.model.open(env.tools(), env.system_prompt(), env.task_prompt())
         traj = Trajectory(task_id=task_id, segments=[window], policy_version=version)
         for turn in range(self.config.max_turns):
             if self.model.length(window) > self.config.context_budget \
                     and traj.summaries < self.config.max_summaries:
                 window = await self._summarize(env, traj, seed=_turn_seed(seed, turn, 1))
-            text = await self.model.reply(window, self._sampling(_turn_seed(seed, turn, 0)))
-            traj.texts.append(text)
+            said = await self.model.reply(window, self._sampling(_turn_seed(seed, turn, 0)))
+            traj.texts.append(said.text)
             traj.turns += 1
+            if not said.calls:
+                self.model.add(window, NO_CALL)
+                continue
             # tools may run the sandbox (a child process): off the loop, so that the other
             # episodes of the batch keep decoding meanwhile
-            observation, done = await asyncio.to_thread(env.step, text)
+            observations, done = await asyncio.to_thread(env.step, said.calls)
             if done:
                 traj.finished = True
                 break
-            self.model.add(window, "tool", observation)
+            self.model.add_results(window, list(zip(said.calls, observations, strict=False)))
         reward = await asyncio.to_thread(env.reward)
         traj.reward, traj.flags = reward.value, reward.flags
         return traj
@@ -256,10 +308,11 @@ class Harness(Generic[W]):
                          seed: int | None) -> W:
         """Ask for a summary in the full context, then restart the context from it."""
         window = traj.segments[-1]
-        self.model.add(window, "user", SUMMARIZE_PROMPT)
+        self.model.add(window, SUMMARIZE_PROMPT)
         summary = await self.model.reply(window, self._sampling(seed))
         traj.summaries += 1
-        fresh = self.model.open(env.system_prompt(), env.task_prompt(), SUMMARY_PREFIX + summary)
+        fresh = self.model.open(env.tools(), env.system_prompt(), env.task_prompt(),
+                                SUMMARY_PREFIX + summary.text)
         traj.segments.append(fresh)
         return fresh
 

@@ -17,6 +17,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,15 +27,9 @@ from simulate.rewards import Reward, RewardConfig, compute_reward, file_hashes, 
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.sandbox_service import SandboxRunner
 from simulate.tasks import Task
-from simulate.tools import (
-    SOLUTION_FILE,
-    ToolParseError,
-    ToolResult,
-    ToolWorkspace,
-    parse_tool_call,
-)
+from simulate.tools import SOLUTION_FILE, TOOLS, ToolCall, ToolWorkspace
 
-SYSTEM_PROMPT = "Tools: apply_edit or write_file solution.py, run_tests, finish."
+SYSTEM_PROMPT = "Fix solution.py, run the tests, finish."
 
 
 class SandboxCache:
@@ -88,13 +83,20 @@ class TaskEnvironment:
     def task_prompt(self) -> str:
         return self.task.starting_file
 
-    def step(self, text: str) -> tuple[str, bool]:
-        call = parse_tool_call(text)
-        if not isinstance(call, ToolParseError) and call.name == "run_tests" \
-                and not self.workspace.finished:
-            return _test_report(self.cache.run(self.workspace.sandbox_job())), False
-        result: ToolResult = self.workspace.step(text)
-        return result.observation, result.done
+    def tools(self) -> list[dict[str, Any]]:
+        return TOOLS
+
+    def step(self, calls: list[ToolCall]) -> tuple[list[str], bool]:
+        observations = []
+        for call in calls:
+            if call.name == "run_tests" and not call.arguments and not self.workspace.finished:
+                observations.append(_test_report(self.cache.run(self.workspace.sandbox_job())))
+                continue
+            result = self.workspace.run(call)
+            observations.append(result.observation)
+            if result.done:
+                return observations, True
+        return observations, False
 
     def test_result(self) -> SandboxResult:
         return self.cache.run(self.workspace.sandbox_job())

@@ -1,73 +1,94 @@
-"""The tool-call format a model emits in a multi-turn rollout, its parser, and the tools.
+"""The built-in agent's tools, as OpenAI function tools, and the workspace they act on.
 
-One call per model turn, in a tagged block whose first line is the tool and its path and whose
-remaining lines are raw text, never escaped, so a tiny byte-level model only learns tags::
+The model calls them through OpenAI function calling: the tools reach it through its chat
+template and its calls come back parsed (`serving.tool_parsers`), by the server for an
+editor's agent or by the harness for the bootstrap's in-process rollouts. In the default
+model's format (Qwen3-Coder's) a call carries each argument as raw text, never escaped::
 
-    <tool>read_file solution.py</tool>
-    <tool>write_file solution.py
-    def add_3(x):
+    <tool_call>
+    <function=apply_edit>
+    <parameter=path>
+    solution.py
+    </parameter>
+    <parameter=old>
+        pass
+    </parameter>
+    <parameter=new>
         return x + 3
-    </tool>
-    <tool>apply_edit solution.py
-    <<<
-    return x + 2
-    ===
-    return x + 3
-    >>>
-    </tool>
-    <tool>run_tests</tool>
-    <tool>finish</tool>
+    </parameter>
+    </function>
+    </tool_call>
 
-Text outside the block is the model's reasoning and is ignored. `ToolWorkspace.step(text)`
-parses and runs one turn and always returns an observation string (truncated), also for
-garbage: the parser never raises on model text. Paths are relative to the rollout's workspace
-and may not leave it; `run_tests` runs the task's tests on the workspace through the sandbox.
+`ToolWorkspace.run(call)` checks a call's arguments and runs it, and always returns an
+observation string (truncated), also for a call it refuses: nothing a model writes raises.
+Paths are relative to the rollout's workspace and may not leave it; `run_tests` runs the
+task's tests on the workspace through the sandbox.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from serving.tool_parsers import FORMATS, CallParser, ParsedCall, parse_text
 from simulate.sandbox import SandboxJob, SandboxLimits, SandboxResult, run_sandboxed
 from simulate.tasks import Task
 
-TOOL_NAMES = ("read_file", "write_file", "apply_edit", "run_tests", "finish")
-_TAKES_PATH = ("read_file", "write_file", "apply_edit")
-_BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
-_EDIT = re.compile(r"<<<\n(.*?)\n===\n(.*?)\n?>>>", re.DOTALL)
 SOLUTION_FILE = "solution.py"
+_TEXT: dict[str, Any] = {"type": "string"}
+
+
+def _tool(name: str, description: str, **parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": description, "parameters": {
+            "type": "object", "properties": parameters, "required": list(parameters)}}}
+
+
+# short descriptions: every episode's prompt carries them (docs/serving.md)
+TOOLS: list[dict[str, Any]] = [
+    _tool("read_file", "Read a file.", path=_TEXT),
+    _tool("write_file", "Write a whole file.", path=_TEXT, content=_TEXT),
+    _tool("apply_edit", "Replace old with new.", path=_TEXT, old=_TEXT, new=_TEXT),
+    _tool("run_tests", "Run the tests."),
+    _tool("finish", "End the task."),
+]
+TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+DEFAULT_FORMAT = "qwen3_coder"  # the default model's (trainer/init_model.py)
 
 
 @dataclass(frozen=True)
 class ToolCall:
+    """One call of a model turn: `id` pairs it with its result in the conversation."""
+
     name: str
-    path: str | None = None
-    body: str = ""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
 
 
-@dataclass(frozen=True)
-class ToolParseError:
-    message: str
+def calls_in(text: str, *, parser: str = DEFAULT_FORMAT) -> list[ToolCall]:
+    """The calls of the built-in tools in a model's text, as the server would parse them."""
+    parsed = parse_text(CallParser(FORMATS[parser], SCHEMAS), text)
+    return [ToolCall(e.call.name, e.call.arguments, e.id) for e in parsed.calls]
 
 
-def parse_tool_call(text: str) -> ToolCall | ToolParseError:
-    """The first `<tool>...</tool>` block of a model turn, or why there is none."""
-    match = _BLOCK.search(text)
-    if match is None:
-        return ToolParseError("no <tool>...</tool> block; end your turn with one tool call")
-    header, _, body = match.group(1).lstrip("\n").partition("\n")
-    words = header.split()
-    if not words or words[0] not in TOOL_NAMES:
-        name = words[0] if words else ""
-        return ToolParseError(f"unknown tool {name!r}; tools are {', '.join(TOOL_NAMES)}")
-    name = words[0]
-    if name in _TAKES_PATH and len(words) != 2:
-        return ToolParseError(f"{name} takes exactly one path on its first line")
-    if name not in _TAKES_PATH and (len(words) != 1 or body.strip()):
-        return ToolParseError(f"{name} takes no arguments")
-    return ToolCall(name=name, path=words[1] if name in _TAKES_PATH else None, body=body)
+def render_call(call: ToolCall, *, parser: str = DEFAULT_FORMAT) -> str:
+    """A call as the model's template writes it in an assistant turn."""
+    return FORMATS[parser].render(ParsedCall(call.name, call.arguments))
+
+
+def check_call(call: ToolCall) -> str | None:
+    """Why `call` cannot run (a missing or non-text argument), or None."""
+    if call.name not in SCHEMAS:
+        return f"unknown tool {call.name!r}; tools are {', '.join(TOOL_NAMES)}"
+    for name in SCHEMAS[call.name]["properties"]:
+        if not isinstance(call.arguments.get(name), str):
+            return f"{call.name} needs the text argument {name!r}"
+    extra = set(call.arguments) - set(SCHEMAS[call.name]["properties"])
+    if extra:
+        return f"{call.name} takes no argument {sorted(extra)[0]!r}"
+    return None
 
 
 def truncate(text: str, limit: int) -> str:
@@ -105,11 +126,11 @@ class ToolWorkspace:
             (root / relative).write_text(content)
         return cls(root=root.resolve(), task=task, **options)  # type: ignore[arg-type]
 
-    def step(self, model_text: str) -> ToolResult:
-        """Parse one model turn and run its tool; every outcome is an observation."""
-        call = parse_tool_call(model_text)
-        if isinstance(call, ToolParseError):
-            return self._reply(f"error: {call.message}")
+    def run(self, call: ToolCall) -> ToolResult:
+        """Check and run one call; every outcome is an observation."""
+        why = check_call(call)
+        if why is not None:
+            return self._reply(f"error: {why}")
         if self.finished:
             return self._reply("error: the episode is finished", done=True)
         return self.execute(call)
@@ -120,18 +141,20 @@ class ToolWorkspace:
         if call.name == "finish":
             self.finished = True
             return self._reply("finished", done=True)
-        target = self._resolve(call.path or "")
+        path = call.arguments["path"]
+        target = self._resolve(path)
         if target is None:
-            return self._reply(f"error: path {call.path!r} is outside the workspace")
+            return self._reply(f"error: path {path!r} is outside the workspace")
         if call.name == "read_file":
             if not target.is_file():
-                return self._reply(f"error: no such file {call.path}")
+                return self._reply(f"error: no such file {path}")
             return self._reply(target.read_text(errors="replace"))
         if call.name == "write_file":
+            content = call.arguments["content"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(call.body)
-            return self._reply(f"wrote {len(call.body)} characters to {call.path}")
-        return self._apply_edit(target, call)
+            target.write_text(content)
+            return self._reply(f"wrote {len(content)} characters to {path}")
+        return self._apply_edit(target, path, call.arguments["old"], call.arguments["new"])
 
     def files(self) -> dict[str, str]:
         """Every text file of the workspace, by relative path."""
@@ -152,20 +175,16 @@ class ToolWorkspace:
             lines += ["output:", result.stdout_tail + result.stderr_tail]
         return self._reply("\n".join(lines), tests=result)
 
-    def _apply_edit(self, target: Path, call: ToolCall) -> ToolResult:
+    def _apply_edit(self, target: Path, path: str, old: str, new: str) -> ToolResult:
         if not target.is_file():
-            return self._reply(f"error: no such file {call.path}")
-        edits = _EDIT.findall(call.body)
-        if not edits:
-            return self._reply("error: apply_edit needs <<< old === new >>> blocks")
+            return self._reply(f"error: no such file {path}")
         text = target.read_text()
-        for old, new in edits:
-            if text.count(old) != 1:
-                found = "not found" if old not in text else "found more than once"
-                return self._reply(f"error: search text {found} in {call.path}; nothing changed")
-            text = text.replace(old, new)
-        target.write_text(text)
-        return self._reply(f"applied {len(edits)} edit(s) to {call.path}")
+        if not old or text.count(old) != 1:
+            found = "empty" if not old else "not found" if old not in text \
+                else "found more than once"
+            return self._reply(f"error: old text {found} in {path}; nothing changed")
+        target.write_text(text.replace(old, new))
+        return self._reply(f"edited {path}")
 
     def _resolve(self, relative: str) -> Path | None:
         target = (self.root / relative).resolve()

@@ -23,10 +23,15 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # tokenizers hold `<tool_call>`: a call of the default template is ~40% fewer tokens
 # (docs/serving.md), and the model learns 8 tokens where it would learn 60 byte pieces.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
-               "</parameter>", "<tool_response>", "</tool_response>"]
-# Qwen3-Coder's chat template (ChatML; tools and calls in its XML format), with the
-# instructions after the tool list cut to two lines for a 2,048-token context. A call carries
-# each argument as raw text between tags, never JSON-escaped, so code in a call reads as code:
+               "</parameter>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
+# Qwen3-Coder's chat template (ChatML; calls and tool results in its XML format), with the
+# tools listed one line each, `<function=NAME>(text_param, number?: integer (what it is))
+# description</function>` (a string parameter needs no type; one with more to it than a type
+# and a description, an enum or a nested object, comes as its JSON Schema), and no
+# instructions after the list (the calls in the conversation show the format): Qwen3-Coder's
+# own listing and instructions cost this small vocabulary ~15 tokens a parameter on every
+# prompt (docs/serving.md). A call carries each argument as raw text
+# between tags, never JSON-escaped, so code in a call reads as code:
 #
 #   <tool_call>
 #   <function=write_file>
@@ -40,7 +45,8 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<par
 #   </function>
 #   </tool_call>
 #
-# Non-string arguments (numbers, objects, ...) are JSON. Tool results are user turns holding
+# Non-string arguments (numbers, booleans, objects, ...) are JSON (Qwen's own template writes
+# Python's `True` for a boolean, which no parser reads back). Tool results are user turns holding
 # <tool_response> blocks. Without tools the template renders plain ChatML.
 CHAT_TEMPLATE = (
     "{%- if not tools is defined or tools is none %}{%- set tools = [] %}{%- endif %}"
@@ -48,32 +54,28 @@ CHAT_TEMPLATE = (
     "{%- set system_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
     "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
     "{%- if system_message is defined %}{{- '<|im_start|>system\\n' + system_message }}"
-    "{%- elif tools | length > 0 %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant that can call functions.' }}"
-    "{%- endif %}"
-    "{%- if tools | length > 0 %}"
-    "{{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- elif tools | length > 0 %}{{- '<|im_start|>system' }}{%- endif %}"
+    "{%- if tools | length > 0 %}{{- '\\n<tools>' }}"
     "{%- for tool in tools %}{%- if tool.function is defined %}"
     "{%- set tool = tool.function %}{%- endif %}"
-    "{{- '\\n<function>\\n<name>' ~ tool.name ~ '</name>' }}"
-    "{%- if tool.description is defined and tool.description %}"
-    "{{- '\\n<description>' ~ (tool.description | trim) ~ '</description>' }}{%- endif %}"
-    "{{- '\\n<parameters>' }}"
+    "{{- '\\n<function=' ~ tool.name ~ '>(' }}"
     "{%- if tool.parameters is defined and tool.parameters is mapping"
     " and tool.parameters.properties is defined and tool.parameters.properties is mapping %}"
+    "{%- set required = tool.parameters.required if tool.parameters.required is defined"
+    " else [] %}"
     "{%- for name, fields in tool.parameters.properties | items %}"
-    "{{- '\\n<parameter>\\n<name>' ~ name ~ '</name>' }}"
-    "{%- if fields.type is defined %}{{- '\\n<type>' ~ (fields.type | string) ~ '</type>' }}"
-    "{%- endif %}"
+    "{{- (', ' if not loop.first else '') ~ name ~ ('' if name in required else '?') }}"
+    "{%- if fields is mapping and fields.type is string and fields.keys()"
+    " | reject('in', ['type', 'title', 'description']) | list | length == 0 %}"
+    "{%- if fields.type != 'string' %}{{- ': ' ~ fields.type }}{%- endif %}"
     "{%- if fields.description is defined %}"
-    "{{- '\\n<description>' ~ (fields.description | trim) ~ '</description>' }}{%- endif %}"
-    "{{- '\\n</parameter>' }}{%- endfor %}"
-    "{%- if tool.parameters.required is defined %}"
-    "{{- '\\n<required>' ~ (tool.parameters.required | tojson) ~ '</required>' }}{%- endif %}"
-    "{%- endif %}"
-    "{{- '\\n</parameters>\\n</function>' }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, reply with <tool_call><function=NAME>"
-    "<parameter=NAME>value</parameter></function></tool_call>, each tag on its own line.' }}"
+    "{{- ' (' ~ (fields.description | trim) ~ ')' }}{%- endif %}"
+    "{%- else %}{{- ': ' ~ (fields | tojson) }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- ')' }}"
+    "{%- if tool.description is defined and tool.description %}"
+    "{{- ' ' ~ (tool.description | trim) }}{%- endif %}"
+    "{{- '</function>' }}{%- endfor %}"
+    "{{- '\\n</tools>' }}"
     "{%- endif %}"
     "{%- if system_message is defined or tools | length > 0 %}{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -89,8 +91,7 @@ CHAT_TEMPLATE = (
     "{%- if call.arguments is defined %}"
     "{%- for name, value in call.arguments | items %}"
     "{{- '<parameter=' + name + '>\\n' }}"
-    "{%- if value is mapping or (value is sequence and value is not string) %}"
-    "{{- value | tojson | safe }}{%- else %}{{- value | string }}{%- endif %}"
+    "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson | safe }}{%- endif %}"
     "{{- '\\n</parameter>\\n' }}{%- endfor %}{%- endif %}"
     "{{- '</function>\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT
 from simulate.tasks import STUB_BODY, Task, split_of
-from simulate.tools import SOLUTION_FILE, ToolWorkspace
+from simulate.tools import SOLUTION_FILE, TOOLS, ToolCall, ToolWorkspace, render_call
 from trainer.policy import NextTokenLoss, Policy, Rows
 
 if TYPE_CHECKING:
@@ -33,31 +33,34 @@ if TYPE_CHECKING:
     from trainer.bootstrap_config import BootstrapSettings
 
 
-def demonstration_call(task: Task) -> str:
+def demonstration_call(task: Task) -> ToolCall:
     """The tool call that solves `task` in one turn: replace the stub's `pass` line with the
     canonical body, or write the whole program when the task has no such stub."""
     solution = task.canonical_solution or ""
-    if task.stub is not None and task.stub.count(STUB_BODY) == 1:
-        return f"<tool>apply_edit {SOLUTION_FILE}\n<<<\n{STUB_BODY}===\n{solution}>>>\n</tool>"
-    return f"<tool>write_file {SOLUTION_FILE}\n{task.prompt}{solution}</tool>"
+    old = STUB_BODY.rstrip("\n")
+    if task.stub is not None and task.stub.count(old) == 1:
+        return ToolCall("apply_edit", {"path": SOLUTION_FILE, "old": old,
+                                       "new": solution.rstrip("\n")})
+    return ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.prompt + solution})
 
 
 def transcript(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of the demonstration episode for `task`."""
-    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file)
+    """(token ids, loss mask) of the demonstration episode for `task`, through the model's
+    chat template with the built-in tools, each call as the template writes it."""
+    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
     mask = [0] * len(ids)
     first = demonstration_call(task)
-    turns = [first, "<tool>run_tests</tool>", "<tool>finish</tool>"]
+    turns = [first, ToolCall("run_tests"), ToolCall("finish")]
     tests = len(re.findall(r"^def test_", task.tests, flags=re.M))
     with tempfile.TemporaryDirectory(prefix="midtrain-") as tmp:  # the tool's own reply
-        edited = ToolWorkspace.create(Path(tmp), task).step(first).observation
+        edited = ToolWorkspace.create(Path(tmp), task).run(first).observation
     observations = [edited, f"passed: {tests}/{tests} tests passed"]
     for i, turn in enumerate(turns):
-        reply = chat.encode(turn) + [chat.im_end]
+        reply = chat.encode(render_call(turn)) + [chat.im_end]
         ids += reply + chat.newline
         mask += [1] * len(reply) + [0] * len(chat.newline)
         if i < len(observations):
-            obs = chat.turn("tool", observations[i]) + chat.open("assistant")
+            obs = chat.tool_results([observations[i]]) + chat.open("assistant")
             ids += obs
             mask += [0] * len(obs)
     return ids, mask

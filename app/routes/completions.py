@@ -52,7 +52,6 @@ from app.openai_schemas import (
 from app.services import Services
 from app.token_bytes import token_bytes, token_text
 from app.tool_calls import (
-    CallEvent,
     check_messages,
     content_of,
     template_renders_tools,
@@ -60,6 +59,7 @@ from app.tool_calls import (
     tool_plan,
 )
 from serving.engine import GenerationDelta, TopLogprobs
+from serving.tool_parsers import CallEvent
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["inference"])

@@ -1,4 +1,4 @@
-"""The tool-call parsers (app/tool_calls.py) on model text: content and calls apart, the same
+"""The tool-call parsers (serving/tool_parsers.py) on model text: content and calls apart, the same
 result whatever pieces the text arrives in, and broken or unknown calls kept as content."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 import pytest
 
 from app.openai_schemas import ChatCompletionRequest
-from app.tool_calls import CallEvent, CallParser, ToolPlan, parse_reply, tool_plan
+from app.tool_calls import ToolPlan, tool_plan
+from serving.tool_parsers import CallEvent, parse_text
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"},
                                            "line": {"type": "integer"}}}
@@ -34,12 +35,12 @@ HERMES = ('Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "sr
 
 @pytest.mark.parametrize("parser, text", [("qwen3_coder", XML), ("hermes", HERMES)])
 def test_calls_and_content_in_any_pieces(parser: str, text: str) -> None:
-    whole = parse_reply(plan(parser), text)
+    whole = parse_text(plan(parser).parser(), text)
     assert [(e.call.name, e.call.arguments) for e in whole.calls] == [
         ("read", {"path": "src/a b.py", "line": 12}), ("finish", {})]
     assert whole.content.strip() == "Let me look." and not whole.invalid
     for cut in range(1, len(text)):  # every split point, as a stream delivers it
-        streamed = CallParser(plan(parser))
+        streamed = plan(parser).parser()
         events = streamed.feed(text[:cut]) + streamed.feed(text[cut:]) + streamed.finish()
         calls = [e for e in events if isinstance(e, CallEvent)]
         assert [(e.call.name, e.call.arguments) for e in calls] == [
@@ -48,7 +49,7 @@ def test_calls_and_content_in_any_pieces(parser: str, text: str) -> None:
 
 
 def test_argument_pieces_join_to_the_arguments() -> None:
-    call = parse_reply(plan(), XML).calls[0].call
+    call = parse_text(plan().parser(), XML).calls[0].call
     assert json.loads("".join(call.argument_pieces())) == call.arguments
     assert len(call.argument_pieces()) == 3
 
@@ -62,12 +63,12 @@ def test_argument_pieces_join_to_the_arguments() -> None:
                                                                           "closed"),
 ])
 def test_broken_calls_stay_content_and_say_why(block: str, why: str) -> None:
-    reply = parse_reply(plan(), "ok " + block)
+    reply = parse_text(plan().parser(), "ok " + block)
     assert reply.calls == [] and reply.content == "ok " + block
     assert reply.invalid == [why]
 
 
 def test_one_call_when_parallel_calls_are_off() -> None:
-    reply = parse_reply(plan(parallel=False), XML)
+    reply = parse_text(plan(parallel=False).parser(), XML)
     assert [e.call.name for e in reply.calls] == ["read"]
     assert reply.content.endswith("</tool_call>") and not reply.invalid

@@ -32,6 +32,7 @@ TOOLS: list[Any] = [
                                       "parameters": {"type": "object", "properties": {}}}}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 USER = [{"role": "user", "content": "Open the solution, then run the tests."}]
+NAMED: Any = {"type": "function", "function": {"name": "open_file"}}
 
 
 @pytest.fixture(scope="module")
@@ -54,23 +55,23 @@ def valid_call(call: Any) -> bool:
     return True
 
 
-def test_tools_reach_the_prompt(client: openai.OpenAI) -> None:
+# ---- checks both backends run (tests/integration/test_vllm_tools.py: the vLLM backend) ----
+def check_tools_reach_the_prompt(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1)
     tooled = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1,
                                             tools=TOOLS)
     hidden = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1,
                                             tools=TOOLS, tool_choice="none")
     assert plain.usage and tooled.usage and hidden.usage
-    assert tooled.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert tooled.usage.prompt_tokens > plain.usage.prompt_tokens + 30
     assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens  # "none" hides them
 
 
-def test_required_and_named_choices_always_call_validly(client: openai.OpenAI) -> None:
+def check_required_and_named_choices(client: openai.OpenAI, requests: int) -> None:
     """An untrained model at temperature 1: every reply is a valid call. With parallel calls
     allowed it may start another and be cut by max_tokens (the cut one is content)."""
-    named = {"type": "function", "function": {"name": "open_file"}}
-    for seed in range(100):
-        choice: Any = named if seed % 3 == 0 else "required"
+    for seed in range(requests):
+        choice: Any = NAMED if seed % 3 == 0 else "required"
         parallel = seed % 3 == 2
         reply = client.chat.completions.create(
             model="flywheel", messages=USER, tools=TOOLS, tool_choice=choice, temperature=1.0,
@@ -81,14 +82,14 @@ def test_required_and_named_choices_always_call_validly(client: openai.OpenAI) -
         if not parallel:
             assert c.finish_reason == "tool_calls" and len(calls) == 1, (seed, c)
             assert c.message.content is None
-        if choice is named:
+        if choice is NAMED:
             assert [call.function.name for call in calls] == ["open_file"]
 
 
-def test_streamed_calls_assemble_to_the_non_streamed_reply(client: openai.OpenAI) -> None:
+def check_streamed_calls_match(client: openai.OpenAI, seeds: tuple[int, ...]) -> None:
     ask = dict(model="flywheel", messages=USER, tools=TOOLS, tool_choice="required",
                temperature=1.0, max_tokens=128)
-    for seed in (3, 4, 5):
+    for seed in seeds:
         whole = client.chat.completions.create(seed=seed, **ask).choices[0]  # type: ignore[call-overload]
         chunks = list(client.chat.completions.create(seed=seed, stream=True, **ask))  # type: ignore[call-overload]
         calls: dict[int, dict[str, str]] = {}
@@ -101,21 +102,55 @@ def test_streamed_calls_assemble_to_the_non_streamed_reply(client: openai.OpenAI
                     call["id"], call["name"] = delta.id, delta.function.name
                 call["arguments"] += delta.function.arguments or ""
                 pieces[delta.index] = pieces.get(delta.index, 0) + 1
+        # parallel calls allowed: a second call may be cut by max_tokens (then "length")
         assert chunks[-1].choices[0].finish_reason == whole.finish_reason
         assert calls and [(c["name"], c["arguments"]) for c in calls.values()] == [
             (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
         assert all(n >= 2 for n in pieces.values())  # the head, then arguments in pieces
 
 
+def check_forced_tokens_logprobs(client: openai.OpenAI) -> None:
+    """A forced token is logged under the masked distribution it was drawn from."""
+    reply = client.chat.completions.create(
+        model="flywheel", messages=USER, tools=TOOLS, seed=0, max_tokens=128, logprobs=True,
+        top_logprobs=2, tool_choice={"type": "function", "function": {"name": "run_tests"}})
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) > 5
+    # most of a no-argument call is forced syntax: one allowed token, probability exactly 1
+    # under the masked distribution (an untrained model's own is about -7.5 here)
+    forced = [t for t in content if t.logprob == 0.0]
+    assert len(forced) >= len(content) / 4
+    assert all(t.logprob > -5 for t in content)  # renormalized over the allowed tokens
+    for t in forced:  # tokens the grammar masked (-inf) are no alternatives
+        assert [a.logprob for a in t.top_logprobs] == [0.0]
+
+
+def test_tools_reach_the_prompt(client: openai.OpenAI) -> None:
+    check_tools_reach_the_prompt(client)
+
+
+def test_required_and_named_choices_always_call_validly(client: openai.OpenAI) -> None:
+    check_required_and_named_choices(client, requests=100)
+
+
+def test_streamed_calls_assemble_to_the_non_streamed_reply(client: openai.OpenAI) -> None:
+    check_streamed_calls_match(client, seeds=(3, 4, 5))
+
+
+def test_forced_tokens_log_the_distribution_they_were_drawn_from(
+        client: openai.OpenAI) -> None:
+    check_forced_tokens_logprobs(client)
+
+
 def test_a_conversation_with_calls_and_results_round_trips(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(
-        model="flywheel", messages=USER, tools=TOOLS, seed=1, max_tokens=128,
-        tool_choice={"type": "function", "function": {"name": "open_file"}})
+        model="flywheel", messages=USER, tools=TOOLS, seed=1, max_tokens=128, tool_choice=NAMED)
     call = (first.choices[0].message.tool_calls or [])[0]
     history = [*USER, first.choices[0].message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "def solve(x):\n    pass"}]
     second = client.chat.completions.create(model="flywheel", messages=history, tools=TOOLS,
-                                            tool_choice="required", seed=2, max_tokens=128)
+                                            tool_choice="required", seed=2, max_tokens=128,
+                                            parallel_tool_calls=False)
     assert second.usage and first.usage
     # the call and its result are in the prompt, in the template's words
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
@@ -124,21 +159,6 @@ def test_a_conversation_with_calls_and_results_round_trips(client: openai.OpenAI
                                           tool_choice="none", seed=2, max_tokens=16)
     assert free.choices[0].message.tool_calls is None  # none: text only
     assert free.choices[0].finish_reason in ("stop", "length")
-
-
-def test_forced_tokens_log_the_distribution_they_were_drawn_from(
-        client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model="flywheel", messages=USER, tools=TOOLS, seed=0, max_tokens=128, logprobs=True,
-        top_logprobs=2, tool_choice={"type": "function", "function": {"name": "run_tests"}})
-    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert content is not None and len(content) > 5
-    # most of a no-argument call is forced syntax: one allowed token, probability exactly 1
-    # under the masked distribution (an untrained model's own never gives that)
-    forced = [t for t in content if t.logprob == 0.0]
-    assert len(forced) >= len(content) / 4
-    for t in forced:  # the alternatives shown are from the masked distribution too
-        assert [a.logprob for a in t.top_logprobs] == [0.0]
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -191,7 +211,7 @@ def test_a_call_cut_short_is_content_and_counted(client: openai.OpenAI,
 
     before = invalid()
     reply = client.chat.completions.create(model="flywheel", messages=USER, tools=TOOLS,
-                                           tool_choice="required", seed=0, max_tokens=6)
+                                           tool_choice="required", seed=0, max_tokens=20)
     c = reply.choices[0]
     assert c.finish_reason == "length" and c.message.tool_calls is None
     assert (c.message.content or "").startswith("<tool_call>")

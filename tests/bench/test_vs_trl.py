@@ -13,6 +13,7 @@ import pytest
 from app.settings import Settings
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache
 from simulate.tasks import BuiltinTasksConfig, Task, build_task_source
+from simulate.tools import ToolCall, render_call
 from trainer.midtrain import demonstration_call
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "vs_trl.py"
@@ -37,8 +38,9 @@ def test_reward_runs_the_first_turn_tool_call_against_the_tests(
         vs_trl: ModuleType, train: list[Task], tmp_path: Path) -> None:
     task = train[0]
     reward = vs_trl.FirstTurnReward(train, SandboxCache(), tmp_path)
-    right = demonstration_call(task)
-    wrong = f"<tool>write_file solution.py\n{task.prompt}    return None\n</tool>"
+    right = render_call(demonstration_call(task))
+    wrong = render_call(ToolCall("write_file", {"path": "solution.py",
+                                                "content": f"{task.prompt}    return None\n"}))
     scores = reward([right, wrong, "no tool call at all"], task_id=[task.task_id] * 3,
                     prompts=["p"] * 3)
     assert scores == [1.0, 0.0, 0.0]
@@ -53,7 +55,7 @@ def test_prompt_text_is_the_harness_first_turn(vs_trl: ModuleType, train: list[T
 
     chat = ChatTokens(AutoTokenizer.from_pretrained(model_dir))
     text = vs_trl.first_turn_prompt(chat, train[0])
-    assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n")
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}\n<tools>")
     assert text.endswith(f"{train[0].starting_file}<|im_end|>\n<|im_start|>assistant\n")
 
 

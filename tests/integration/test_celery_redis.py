@@ -69,6 +69,7 @@ def test_rollout_tool_calls_run_on_the_sandbox_fleet(tmp_path: Path) -> None:
     from simulate.rollouts import SandboxCache, TaskEnvironment
     from simulate.sandbox_service import CelerySandbox, SandboxServiceError
     from simulate.tasks import BuiltinTaskSource
+    from simulate.tools import ToolCall
 
     task = BuiltinTaskSource(held_out_fraction=0.0).tasks()[0]
     queue = f"flywheel-sandbox-test-{uuid.uuid4().hex[:8]}"
@@ -83,11 +84,11 @@ def test_rollout_tool_calls_run_on_the_sandbox_fleet(tmp_path: Path) -> None:
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache(runner))
     with start_worker(sandbox_host, pool="solo", perform_ping_check=False, queues=[queue],
                       shutdown_timeout=30):
-        obs, _ = env.step(f"<tool>write_file solution.py\n{task.prompt}"
-                          f"{task.canonical_solution}</tool>")
+        (obs,), _ = env.step([ToolCall("write_file", {
+            "path": "solution.py", "content": f"{task.prompt}{task.canonical_solution}"})])
         assert "wrote" in obs
-        obs, _ = env.step("<tool>run_tests</tool>")
+        (obs,), _ = env.step([ToolCall("run_tests")])
         assert obs.startswith("passed"), obs
-        assert env.step("<tool>finish</tool>")[1] and env.reward().value == 1.0
+        assert env.step([ToolCall("finish")])[1] and env.reward().value == 1.0
     assert env.cache.misses >= 1
     runner.close()

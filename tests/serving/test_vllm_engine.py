@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ def test_logprob_entries_map_to_sampled_and_top_k() -> None:
     assert sampled == [-0.5, -1.0]
     assert tops == [[(9, -0.1), (5, -0.5)], [(7, -1.0)]]
     assert token_logprobs([5, 7], entries, 0) == ([-0.5, -1.0], [])
+
+
+def test_tokens_a_grammar_masked_are_no_alternatives() -> None:
+    entries = [{4: Logprob(0.0, 1), 0: Logprob(-math.inf, 2)}]  # a forced token
+    assert token_logprobs([4], entries, 2) == ([0.0], [[(4, 0.0)]])
 
 
 def test_routes_are_trimmed_to_the_positions_fed() -> None:

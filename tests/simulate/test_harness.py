@@ -1,4 +1,5 @@
-"""The harness on the real tiny model: ChatML token layout, loss mask, logprobs, summarization."""
+"""The harness on the real tiny model: the chat template token by token, loss mask, logprobs,
+parsed calls, summarization."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from simulate.rollouts import (
     unpack_segments,
 )
 from simulate.tasks import BuiltinTaskSource
+from simulate.tools import TOOLS, ToolCall, render_call
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,25 @@ def test_chat_prompt_is_chatml(engine) -> None:
                     "<|im_start|>assistant\n")
 
 
+def test_pieces_are_the_ids_the_server_renders(engine) -> None:
+    """A conversation with calls and results, built piece by piece, is token for token the
+    template's rendering of it tokenized whole, as the server does."""
+    tok, chat = engine.tokenizer, ChatTokens(engine.tokenizer)
+    call = ToolCall("read_file", {"path": "solution.py"}, "call_1")
+
+    built = chat.prompt("sys", "do it", tools=TOOLS) + chat.encode(render_call(call)) + [
+        chat.im_end] + chat.newline + chat.tool_results(["def f(): pass"]) + chat.open(
+        "assistant")
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "do it"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type":
+                 "function", "function": {"name": "read_file", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "def f(): pass"}]
+    served = tok(tok.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                         add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    assert built == served
+
+
 def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
     chat = ChatTokens(engine.tokenizer)
     harness = Harness.on_engine(engine, HarnessConfig(max_turns=2, max_tokens=12))
@@ -50,14 +71,15 @@ def test_episode_masks_model_tokens_only(engine, task, tmp_path: Path) -> None:
     (seg,) = traj.segments
     assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs)
     assert traj.turns == 2 and len(traj.texts) == 2
-    prompt = chat.prompt(SYSTEM_PROMPT, task.starting_file)
+    prompt = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
     assert seg.token_ids[:len(prompt)] == prompt and not any(seg.loss_mask[:len(prompt)])
     # every model span ends at <|im_end|> or at max_tokens; observations are mask 0
     assert all(lp < 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m)
     assert all(lp == 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if not m)
     observation = engine.tokenizer.decode([t for t, m in zip(seg.token_ids, seg.loss_mask,
                                                              strict=True) if not m])
-    assert "<|im_start|>tool\n" in observation  # the tool answered between the model turns
+    # an untrained model makes no call: the harness asked for one between the turns
+    assert "error: no tool call" in observation
     assert 0 < model_tokens(traj) <= 24
     assert traj.reward == env.reward().value
 
@@ -73,8 +95,9 @@ def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path)
     assert "Summarize your progress" in engine.tokenizer.decode(first.token_ids)
     assert first.loss_mask[-2] == 1 or first.loss_mask[-3] == 1  # summary tokens are trained
     assert SUMMARY_PREFIX in engine.tokenizer.decode(second.token_ids)
-    assert second.token_ids[:len(chat.turn("system", SYSTEM_PROMPT))] == \
-        chat.turn("system", SYSTEM_PROMPT)
+    opening = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
+    assert second.token_ids[:len(opening) - len(chat.open("assistant"))] == \
+        opening[:-len(chat.open("assistant"))]
     packed = pack_trajectory(traj)
     assert [s.token_ids for s in unpack_segments(packed)] == [first.token_ids, second.token_ids]
 
@@ -82,12 +105,13 @@ def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path)
 def test_environment_rewards_a_correct_write(task, tmp_path: Path) -> None:
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
     assert env.reward().value == 0.0  # the prompt alone has no body
-    obs, done = env.step(f"<tool>write_file solution.py\n{task.prompt}{task.canonical_solution}"
-                         "</tool>")
+    write = ToolCall("write_file", {"path": "solution.py",
+                                    "content": task.prompt + (task.canonical_solution or "")})
+    (obs,), done = env.step([write])
     assert not done and "wrote" in obs
-    obs, done = env.step("<tool>run_tests</tool>")
+    (obs,), done = env.step([ToolCall("run_tests")])
     assert obs.startswith("passed: 4/4") and not done
-    assert env.step("<tool>finish</tool>")[1] and env.reward().value == 1.0
+    assert env.step([ToolCall("finish")])[1] and env.reward().value == 1.0
 
 
 def test_group_travels_as_wire_type(engine, task, tmp_path: Path) -> None:

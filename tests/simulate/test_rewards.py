@@ -175,17 +175,20 @@ def test_a_planted_cheat_earns_zero_in_the_rollout_environment(tmp_path) -> None
     """The reward that trains (TaskEnvironment's) zeroes an episode that passes every test by
     hard-coding the answers the tests expect, and says why; the honest edit earns 1."""
     from simulate.rollouts import SandboxCache, TaskEnvironment
+    from simulate.tools import ToolCall
 
     task = next(t for t in build_task_source(BuiltinTasksConfig()).tasks()
                 if t.task_id == "builtin/add_17")
     table = {int(line.split("(")[1].split(")")[0]): int(line.split("== ")[1])
              for line in task.tests.splitlines() if "assert" in line}
-    cheat = f"<tool>write_file solution.py\n{task.prompt}    return {table!r}[x]\n</tool>"
-    honest = "<tool>apply_edit solution.py\n<<<\n    pass\n===\n    return x + 17\n>>>\n</tool>"
+    cheat = ToolCall("write_file", {"path": "solution.py",
+                                    "content": f"{task.prompt}    return {table!r}[x]\n"})
+    honest = ToolCall("apply_edit", {"path": "solution.py", "old": "    pass",
+                                     "new": "    return x + 17"})
     cache = SandboxCache()
     for turn, value, cheated in ((cheat, 0.0, True), (honest, 1.0, False)):
         env = TaskEnvironment(task, tmp_path / str(value), cache)
-        env.step(turn)
+        env.step([turn])
         assert env.test_result().status == "passed"  # both pass the tests
         result = env.reward()
         assert result.value == value and bool(result.flags) == cheated
@@ -194,10 +197,11 @@ def test_a_planted_cheat_earns_zero_in_the_rollout_environment(tmp_path) -> None
 
 def test_editing_a_test_file_of_the_workspace_earns_zero(tmp_path) -> None:
     from simulate.rollouts import SandboxCache, TaskEnvironment
+    from simulate.tools import ToolCall
 
     task = Task(task_id="repo/1", prompt="", entry_point="g", tests="from lib import g\n"
                 "def test_g():\n    assert g() == 1\n",
                 files={"lib.py": "def g():\n    return 2\n", "tests/test_lib.py": "x = 1\n"})
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
-    env.step("<tool>write_file tests/test_lib.py\nx = 2\n</tool>")
+    env.step([ToolCall("write_file", {"path": "tests/test_lib.py", "content": "x = 2\n"})])
     assert env.reward().flags == ["tests edited: tests/test_lib.py"]

@@ -9,6 +9,7 @@ import pytest
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import BuiltinTasksConfig, HumanEvalConfig, build_task_source
+from simulate.tools import TOOLS, ToolCall, calls_in, render_call
 from trainer.midtrain import demonstration_call, transcript
 
 
@@ -18,7 +19,7 @@ def test_demonstrations_solve_their_tasks(tmp_path: Path) -> None:
     cache = SandboxCache()
     for i, task in enumerate(builtin[::9] + humaneval[:3]):
         env = TaskEnvironment(task, tmp_path / str(i), cache)
-        observation, done = env.step(demonstration_call(task))
+        (observation,), done = env.step([demonstration_call(task)])
         assert not done and not observation.startswith("error"), (task.task_id, observation)
         assert env.reward().value == 1.0, task.task_id
 
@@ -26,7 +27,8 @@ def test_demonstrations_solve_their_tasks(tmp_path: Path) -> None:
 def test_builtin_demonstration_edits_the_stub() -> None:
     task = build_task_source(BuiltinTasksConfig()).tasks()[0]
     assert task.starting_file.endswith("    pass\n")
-    assert demonstration_call(task).startswith("<tool>apply_edit solution.py\n<<<\n    pass\n")
+    call = demonstration_call(task)
+    assert (call.name, call.arguments["old"]) == ("apply_edit", "    pass")
 
 
 def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
@@ -35,12 +37,15 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
     chat = ChatTokens(AutoTokenizer.from_pretrained(model_dir))
     task = build_task_source(BuiltinTasksConfig()).tasks()[3]
     ids, mask = transcript(chat, task)
-    prompt = chat.prompt(SYSTEM_PROMPT, task.starting_file)
+    prompt = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
     assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
     trained = chat.decode([t for t, m in zip(ids, mask, strict=True) if m])
-    assert trained == (demonstration_call(task) + "<tool>run_tests</tool><tool>finish</tool>")
+    assert trained == "".join(render_call(c) for c in (
+        demonstration_call(task), ToolCall("run_tests"), ToolCall("finish")))
+    assert [c.name for c in calls_in(trained)] == ["apply_edit", "run_tests", "finish"]
     untrained = chat.decode([t for t, m in zip(ids, mask, strict=True) if not m])
-    assert "applied 1 edit(s) to solution.py" in untrained and "passed: 4/4" in untrained
+    assert "<tool_response>\nedited solution.py\n</tool_response>" in untrained
+    assert "passed: 4/4" in untrained
 
 
 def test_practice_tasks_split_between_mid_training_and_grpo() -> None:
