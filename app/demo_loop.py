@@ -43,7 +43,7 @@ class DemoPlan:
     every release are the same training on any machine and only the wall time differs."""
 
     # a short bootstrap: the model a product would first ship, with room to learn
-    midtrain_steps: int = 400
+    midtrain_steps: int = 650
     grpo_steps: int = 10
     releases: int = 6
     release_every_steps: int = 24  # online trainer steps of `online_batch` experiences

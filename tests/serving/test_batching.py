@@ -8,7 +8,9 @@ and carry one route row per token fed to the model.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,19 +18,27 @@ import torch
 
 from serving.batching import PaddedKVBatch
 from serving.engine import GenerationRequest, GenerationResult, collect
+from serving.tool_parsers import structural_tag
 from serving.torch_engine import TorchEngine
 
+# a forced call of a function with one text parameter: a grammar-masked request
+FORCED_CALL = structural_tag("qwen_3_coder", json.dumps([{"type": "function", "function": {
+    "name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                   "required": ["text"]}}}]), "note", False)
 
-def request(i: int) -> GenerationRequest:
+
+def request(i: int, *, grammar: bool = False) -> GenerationRequest:
     return GenerationRequest(prompt_token_ids=[7 + i, 40, 41, 300 + i][: 2 + i % 3] * (1 + i % 2),
                              max_tokens=6 + 3 * i, temperature=0.8 if i % 3 else 0.0,
-                             top_p=0.9 if i % 2 else 1.0, seed=1000 + i)
+                             top_p=0.9 if i % 2 else 1.0, seed=1000 + i,
+                             structural_tag=FORCED_CALL if grammar else None)
 
 
-async def staggered(engine: TorchEngine, n: int) -> list[GenerationResult]:
+async def staggered(engine: TorchEngine, n: int,
+                    grammar: Callable[[int], bool] = lambda i: False) -> list[GenerationResult]:
     async def later(i: int) -> GenerationResult:
         await asyncio.sleep(0.01 * i)  # joins a batch that is already decoding
-        return await engine.generate(request(i))
+        return await engine.generate(request(i, grammar=grammar(i)))
 
     return list(await asyncio.gather(*(later(i) for i in range(n))))
 
@@ -124,15 +134,19 @@ def test_weights_written_between_steps_are_what_the_next_steps_use(model_dir: Pa
 
 
 def test_batch_invariant_mode_is_bitwise(model_dir: Path) -> None:
+    """Also for rows a grammar masks (a forced function call), beside rows it does not."""
     pytest.importorskip("kernels.batch_invariant")
     engine = TorchEngine.load(model_dir, max_batch=4, batch_invariant=True)
     try:
-        alone = [asyncio.run(engine.generate(request(i))) for i in range(4)]
-        together = asyncio.run(staggered(engine, 4))
+        alone = [asyncio.run(engine.generate(request(i, grammar=i % 2 == 1)))
+                 for i in range(4)]
+        together = asyncio.run(staggered(engine, 4, grammar=lambda i: i % 2 == 1))
     finally:
         engine.close()
     for a, b in zip(alone, together, strict=True):
         assert (b.token_ids, b.logprobs) == (a.token_ids, a.logprobs)
+    call = "<tool_call>\n<function=note>\n"  # what the grammar forces the masked rows into
+    assert all(call.startswith(r.text) or r.text.startswith(call) for r in alone[1::2])
 
 
 def test_stream_matches_generate_and_closing_it_cancels(engine: TorchEngine) -> None:
