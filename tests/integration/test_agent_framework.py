@@ -16,7 +16,7 @@ from ingest.events import GenerationLogged
 from ingest.log import read_all
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import JsonlTasksConfig, build_task_source
-from simulate.tools import ToolCall
+from simulate.tools import TOOLS, ToolCall
 from tests.conftest import flywheel_up, skilled_model
 
 pytestmark = pytest.mark.integration
@@ -47,32 +47,29 @@ def test_openai_agents_sdk_solves_a_task_through_function_calling(
         (observation,), _ = env.step([call])
         return observation
 
-    # the built-in agent's tools, written as an SDK user writes them: the docstrings and
-    # signatures become the function tools the model sees
-    @function_tool
+    # the built-in agent's tools, written as an SDK user writes them: the signatures and
+    # docstrings (the built-in descriptions, which the model was trained with) become the
+    # function tools the model sees
     def read_file(path: str) -> str:
-        """Read a file."""
         return run(ToolCall("read_file", {"path": path}))
 
-    @function_tool
     def write_file(path: str, content: str) -> str:
-        """Write a whole file."""
         return run(ToolCall("write_file", {"path": path, "content": content}))
 
-    @function_tool
     def apply_edit(path: str, old: str, new: str) -> str:
-        """Replace old, found once in a file, with new."""
         return run(ToolCall("apply_edit", {"path": path, "old": old, "new": new}))
 
-    @function_tool
     def run_tests() -> str:
-        """Run the tests."""
         return run(ToolCall("run_tests"))
 
-    @function_tool
     def finish() -> str:
-        """End the task."""
         return run(ToolCall("finish"))
+
+    described = {t["function"]["name"]: t["function"]["description"] for t in TOOLS}
+    tools = []
+    for fn in (read_file, write_file, apply_edit, run_tests, finish):
+        fn.__doc__ = described[fn.__name__]
+        tools.append(function_tool(fn))
 
     set_tracing_disabled(True)  # no trace export: nothing leaves this machine
     with flywheel_up(tmp_path / "data", skilled) as (url, kafka):
@@ -82,7 +79,7 @@ def test_openai_agents_sdk_solves_a_task_through_function_calling(
             model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
             model_settings=ModelSettings(temperature=0.0, max_tokens=64,
                                          extra_body={"session_id": "sdk-session"}),
-            tools=[read_file, write_file, apply_edit, run_tests, finish],
+            tools=tools,  # type: ignore[arg-type]
             tool_use_behavior={"stop_at_tool_names": ["finish"]})
         result = asyncio.run(Runner.run(agent, task.starting_file, max_turns=6,
                                         run_config=RunConfig(tracing_disabled=True)))

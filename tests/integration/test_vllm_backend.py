@@ -29,6 +29,14 @@ from serving.engine import ModelVersion
 from serving.vllm_engine import CPU_NO_ROUTES, on_gpu
 from tests.app.test_completions import chat, check_disconnect_cancels
 from tests.app.test_openai_client import check_openai_client, wait_for_sessions
+from tests.app.test_tools import (
+    TOOLS,
+    USER,
+    check_forced_tokens_logprobs,
+    check_required_and_named_choices,
+    check_streamed_calls_match,
+    check_tools_reach_the_prompt,
+)
 from tests.conftest import flywheel_up
 from tests.integration.test_releases import (
     Load,
@@ -93,6 +101,23 @@ def test_disconnect_cancels_and_logs_the_partial_generation(vllm_up: Up) -> None
     with httpx.Client(base_url=vllm_up.url, timeout=60) as http:
         assert http.post("/v1/chat/completions", json=chat(max_tokens=2)).status_code == 200
         check_disconnect_cancels(http, vllm_up.kafka)
+
+
+def test_function_calling_as_on_the_torch_engine(vllm_up: Up) -> None:
+    """tests/app/test_tools.py's checks with vLLM's structured outputs as the grammar: tools
+    reach the prompt, `required` and named choices always give valid calls, streamed calls
+    assemble to the non-streamed reply, `none` gives text, and forced tokens log the masked
+    distribution (vLLM masks the logits before its sampler computes processed logprobs)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{vllm_up.url}/v1", api_key="unused", max_retries=0)
+    check_tools_reach_the_prompt(client)
+    check_required_and_named_choices(client, requests=20)
+    check_streamed_calls_match(client, seeds=(3, 4))
+    check_forced_tokens_logprobs(client)
+    text = client.chat.completions.create(model="flywheel", messages=USER, tools=TOOLS,
+                                          tool_choice="none", seed=2, max_tokens=16)
+    assert text.choices[0].message.tool_calls is None
 
 
 def test_three_releases_and_a_rollback_hot_swapped_under_load(vllm_up: Up,
