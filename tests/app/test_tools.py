@@ -55,7 +55,7 @@ def valid_call(call: Any) -> bool:
     return True
 
 
-# ---- checks both backends run (tests/integration/test_vllm_tools.py: the vLLM backend) ----
+# ---- checks both backends run (tests/integration/test_vllm_backend.py: the vLLM one) -----
 def check_tools_reach_the_prompt(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1)
     tooled = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1,
