@@ -15,11 +15,10 @@ from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from serving.engine import EngineError
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class TokenGrammar:
@@ -33,8 +32,9 @@ class TokenGrammar:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens the grammar accepts next."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = (self._bitmask[0].unsqueeze(1) >> _BITS) & 1
-        return bits.flatten()[: self._vocab].bool()
+        # bit j of int32 word i is token 32 i + j: little-endian bytes, low bit first
+        bits = np.unpackbits(self._bitmask[0].numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self._vocab]).bool()
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):

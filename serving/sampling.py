@@ -40,9 +40,10 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]
     logits = logits.float()
     masked = [b for b, r in enumerate(rows) if r.allowed is not None]
     if masked:
-        logits = logits.clone()
-        for b in masked:
-            logits[b].masked_fill_(~rows[b].allowed, float("-inf"))  # type: ignore[operator]
+        index = torch.tensor(masked)
+        allowed = torch.stack([rows[b].allowed for b in masked])  # type: ignore[misc]
+        logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill(
+            ~allowed, float("-inf")))
     temperature = torch.tensor([[r.temperature if r.temperature > 0 else 1.0] for r in rows])
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     tokens = logits.argmax(dim=-1)  # the greedy rows' answer
