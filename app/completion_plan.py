@@ -86,7 +86,6 @@ class Plan:
     session_id: str | None
     user: str | None
     request_id: str  # the request's X-Request-Id (app/guard.py)
-    tools: ToolPlan | None = None  # chat with tools: the reply's text is parsed for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -195,4 +194,4 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
                 sampling=sampling, logprobs=logprobs,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 session_id=body.session_id, user=body.user,
-                request_id=request_id or f"req-{uuid.uuid4().hex}", tools=tools)
+                request_id=request_id or f"req-{uuid.uuid4().hex}")

@@ -40,7 +40,6 @@ class ToolPlan:
 
     tools: list[dict[str, Any]]  # the OpenAI tool objects the template renders
     schemas: dict[str, dict[str, Any]]  # parameters JSON Schema by tool name
-    choice: str  # "auto", "required" or the named function
     parallel: bool
     format: CallFormat
     structural_tag: str | None  # the grammar both engines enforce (required / named)
@@ -112,11 +111,10 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
             _check_schema(schema, f"tools[{i}].function.parameters")
         schemas[name] = schema if schema is not None else _EMPTY_PARAMETERS
     asked = body.tool_choice or "auto"
-    if isinstance(asked, NamedToolChoice):
-        if asked.function.name not in schemas:
-            raise ApiError(400, f"tool_choice names {asked.function.name!r}, which is not "
-                           "among the tools", param="tool_choice.function.name")
     choice = asked.function.name if isinstance(asked, NamedToolChoice) else str(asked)
+    if isinstance(asked, NamedToolChoice) and choice not in schemas:
+        raise ApiError(400, f"tool_choice names {choice!r}, which is not among the tools",
+                       param="tool_choice.function.name")
     tools = [_openai_tool(t, schemas[t.function.name]) for t in body.tools]
     call_format = FORMATS[parser]
     try:
@@ -124,8 +122,8 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
             call_format.xgrammar_model, json.dumps(tools), choice, body.parallel_tool_calls)
     except ValueError as exc:
         raise ApiError(400, f"tools: {exc}", param="tools") from None
-    return ToolPlan(tools=tools, schemas=schemas, choice=choice,
-                    parallel=body.parallel_tool_calls, format=call_format, structural_tag=tag)
+    return ToolPlan(tools=tools, schemas=schemas, parallel=body.parallel_tool_calls,
+                    format=call_format, structural_tag=tag)
 
 
 def _openai_tool(tool: Tool, schema: dict[str, Any]) -> dict[str, Any]:

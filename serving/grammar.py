@@ -1,16 +1,15 @@
 """Constrained decoding for the torch engine: a request's xgrammar structural tag
 (`GenerationRequest.structural_tag`) as a token mask per decode step.
 
-`Grammars` compiles tags for one tokenizer (each distinct tag once: an agent sends the same
-tools every turn) and opens a `TokenGrammar` per request, which says which tokens may come
-next and follows the tokens sampled. The stop tokens are allowed exactly where the grammar is
+`Grammars` compiles tags for one tokenizer (each distinct tag once, in xgrammar's cache: an
+agent sends the same tools every turn) and opens a `TokenGrammar` per request, which says
+which tokens may come next and follows the tokens sampled. The stop tokens are allowed exactly where the grammar is
 complete, so a constrained generation ends with its last call. xgrammar is imported on the
 first constrained request only.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
@@ -46,14 +45,13 @@ class TokenGrammar:
 
 
 class Grammars:
-    """Compiled structural tags for one tokenizer and vocabulary."""
+    """Structural tags compiled for one tokenizer and vocabulary (xgrammar's compiler keeps
+    each compiled tag in its own cache)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
         self._vocab = vocab_size
         self._stop_ids = sorted(stop_ids)
-        self._compiled: dict[str, Any] = {}
-        self._lock = threading.Lock()  # requests open from the asyncio thread
 
     @cached_property
     def _compiler(self) -> Any:
@@ -61,20 +59,14 @@ class Grammars:
 
         info = xgrammar.TokenizerInfo.from_huggingface(
             self._tokenizer, vocab_size=self._vocab, stop_token_ids=self._stop_ids)
-        return xgrammar.GrammarCompiler(info)
+        return xgrammar.GrammarCompiler(info, cache_enabled=True)
 
     def open(self, structural_tag: str) -> TokenGrammar:
         import xgrammar
 
-        with self._lock:
-            compiled = self._compiled.get(structural_tag)
-            if compiled is None:
-                try:
-                    compiled = self._compiler.compile_structural_tag(structural_tag)
-                except Exception as exc:  # xgrammar's errors have no common base
-                    raise EngineError(f"cannot compile the structural tag: {exc}") from exc
-                if len(self._compiled) >= 256:
-                    self._compiled.pop(next(iter(self._compiled)))
-                self._compiled[structural_tag] = compiled
+        try:
+            compiled = self._compiler.compile_structural_tag(structural_tag)
+        except Exception as exc:  # xgrammar's errors have no common base
+            raise EngineError(f"cannot compile the structural tag: {exc}") from exc
         return TokenGrammar(xgrammar.GrammarMatcher(compiled),
                             xgrammar.allocate_token_bitmask(1, self._vocab), self._vocab)
