@@ -1,7 +1,7 @@
 """The trained policy: the same Hugging Face model class as serving, plus its optimizer.
 
 `sequence_logprobs` runs one full-sequence forward over given token ids and returns the
-log-probability of every token under the model (temperature applied, as the engine reports it),
+log-probability of every trained token under the model (temperature applied, as the engine reports it),
 which is what GRPO compares to the behavior logprobs recorded at sampling time. Sequences of a
 batch are right-padded; padding never reaches a loss because its mask is 0.
 
@@ -72,19 +72,27 @@ class TokenBatch:
 
 def sequence_logprobs(model: Any, batch: TokenBatch, *,
                       temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1; position 0 gets 0. Returns (B, T).
+    """log p(tokens[:, t] | tokens[:, :t]) at every position t that some row of the batch
+    trains (`loss_mask`); 0 elsewhere, position 0 included. Returns (B, T).
 
-    `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
+    The model's head and softmax run at those positions only (`logits_to_keep`): most of a row
+    is prompt, tool output or padding, and the head over a vocabulary is the largest matmul of a
+    small model. `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw
+    logits)."""
+    keep = batch.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)  # predicting a trained token
+    if keep.numel() == 0:  # nothing trained (a rank's silenced row): one position keeps the graph
+        keep = torch.zeros(1, dtype=torch.long, device=batch.tokens.device)
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask,
-                   use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+                   use_cache=False, logits_to_keep=keep).logits.float()  # (B, K, V)
     if isinstance(temperature, torch.Tensor):
         temps = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)  # (B,)
         logits = logits / temps[:, None, None]
     elif temperature > 0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
-    picked = logprobs.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
+    out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
+    return out.index_copy(1, keep + 1, picked)
 
 
 @dataclass(frozen=True)
