@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from app.processes import stop_on_signals, train_online_rank
+from app.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
 from app.settings import Settings, absolute, absolute_store_url
 
 
@@ -108,6 +108,7 @@ DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
+    interrupt_on_sigterm()  # the broker, trainer and developers go down with it
     settings = _settings(args)
     if args.port is None:  # a demo must not collide with a running `flywheel up`
         settings = settings.model_copy(update={"port": 0})
@@ -137,6 +138,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     if settings.model_dir is None:
         init_model(settings.model, model_dir)
     bootstrap = args.kafka or settings.kafka_bootstrap  # None: an embedded broker for the run
+    interrupt_on_sigterm()  # its broker and rollout workers go down with it
     kafka = settings.kafka_config(bootstrap).model_dump_json() if bootstrap else None
     job = (cfg.model_dump_json(), str(model_dir), str(run_dir), not args.no_progress,
            settings.batch_invariant, settings.trackers.model_dump_json(), kafka)

@@ -45,7 +45,7 @@ class DemoPlan:
     # a short bootstrap: the model a product would first ship, with room to learn
     midtrain_steps: int = 650
     grpo_steps: int = 10
-    releases: int = 6
+    releases: int = 4
     release_every_steps: int = 24  # online trainer steps of `online_batch` experiences
     online_batch: int = 64
     min_sessions: int = 500  # served by the newest release before the demo ends (±2 points)

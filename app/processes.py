@@ -18,6 +18,16 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so a command that owns child
+    processes (the embedded broker, rollout workers, the demo's trainer) stops them on its
+    way out instead of leaving them behind."""
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def train_online_rank(settings_json: str, release: bool) -> int:
     """One rank of `flywheel train-online` (the whole of it in the one-process world): the
     leader takes the trainer control and the release pipeline, the others follow it."""

@@ -3,9 +3,9 @@
 
 `Grammars` compiles tags for one tokenizer (each distinct tag once, in xgrammar's cache: an
 agent sends the same tools every turn) and opens a `TokenGrammar` per request, which says
-which tokens may come next and follows the tokens sampled. The stop tokens are allowed exactly where the grammar is
-complete, so a constrained generation ends with its last call. xgrammar is imported on the
-first constrained request only.
+which tokens may come next and follows the tokens sampled. The stop tokens are allowed
+exactly where the grammar is complete, so a constrained generation ends with its last call.
+xgrammar is imported on the first constrained request only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The trained policy: the same Hugging Face model class as serving, plus its optimizer.
 
 `sequence_logprobs` runs one full-sequence forward over given token ids and returns the
-log-probability of every trained token under the model (temperature applied, as the engine reports it),
-which is what GRPO compares to the behavior logprobs recorded at sampling time. Sequences of a
-batch are right-padded; padding never reaches a loss because its mask is 0.
+log-probability of every trained token under the model (temperature applied, as the engine
+reports it), which is what GRPO compares to the behavior logprobs recorded at sampling time.
+Sequences of a batch are right-padded; padding never reaches a loss because its mask is 0.
 
 `Policy.train_step` is one optimizer step of an `Objective` (mid-training's next-token loss,
 the bootstrap's GRPO loss) on `Rows`. Over N ranks (trainer/distributed.py) the model is

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 FLYWHEEL = Path(sys.executable).parent / "flywheel"
 
@@ -22,12 +26,15 @@ TINY = {"FLYWHEEL_BOOTSTRAP__ROLLOUT_WORKERS": "1", "FLYWHEEL_BOOTSTRAP__GROUPS_
         "FLYWHEEL_RELEASE__EVAL__SAMPLES_PER_TASK": "2"}
 
 
+def tiny_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    return env | TINY | {"FLYWHEEL_ENGINE__COMPILE": "false"}
+
+
 def flywheel(cwd: Path, *args: str, timeout: float = 600) -> tuple[dict[str, Any], str]:
     """Run the `flywheel` command of this venv in `cwd` with no --data-dir; its last stdout
     line (the JSON summary) and its whole output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env |= TINY | {"FLYWHEEL_ENGINE__COMPILE": "false"}
-    proc = subprocess.run([str(FLYWHEEL), *args], cwd=cwd, env=env, capture_output=True,
+    proc = subprocess.run([str(FLYWHEEL), *args], cwd=cwd, env=tiny_env(), capture_output=True,
                           text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -60,3 +67,29 @@ def test_bootstrap_runs_from_a_fresh_directory_with_the_default_data_dir(
     assert (run_dir / "model" / "config.json").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
     assert (tmp_path / "data" / "models" / "base" / "config.json").exists()
+
+
+def test_sigterm_stops_the_bootstrap_and_every_process_it_started(tmp_path: Path) -> None:
+    """`kill` on a running bootstrap (or demo) takes its embedded broker and rollout workers
+    down with it, as Ctrl-C does: nothing is left running behind it."""
+    proc = subprocess.Popen([str(FLYWHEEL), "bootstrap", "--midtrain-steps", "1000000",
+                             "--no-progress"], cwd=tmp_path, env=tiny_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        started = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        children: list[psutil.Process] = []
+        while time.monotonic() < deadline:  # the broker and a rollout worker, mid-training
+            children = started.children(recursive=True)
+            if any("tansu" in c.name() for c in children) and len(children) >= 2:
+                break
+            assert proc.poll() is None, "the bootstrap ended before it was stopped"
+            time.sleep(1.0)
+        assert len(children) >= 2, [c.name() for c in children]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        _, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
