@@ -2,19 +2,19 @@
 (`GenerationRequest.structural_tag`) as a token mask per decode step.
 
 `Grammars` compiles tags for one tokenizer (each distinct tag once, in xgrammar's cache: an
-agent sends the same tools every turn) and opens a `TokenGrammar` per request, which says
-which tokens may come next and follows the tokens sampled. The stop tokens are allowed
+agent sends the same tools every turn) and opens a `TokenGrammar` per request, which follows
+the tokens sampled; `mask_rejected` puts a decode step's constrained rows' rejected tokens at
+-inf, all rows in one batched fill. The stop tokens are allowed
 exactly where the grammar is complete, so a constrained generation ends with its last call.
 xgrammar is imported on the first constrained request only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from functools import cached_property
+from collections.abc import Iterable, Sequence
+from functools import cache, cached_property
 from typing import Any
 
-import numpy as np
 import torch
 
 from serving.engine import EngineError
@@ -23,25 +23,43 @@ from serving.engine import EngineError
 class TokenGrammar:
     """One request's grammar state."""
 
-    def __init__(self, matcher: Any, bitmask: torch.Tensor, vocab_size: int) -> None:
-        self._matcher = matcher
-        self._bitmask = bitmask  # (1, ceil(V / 32)) int32, refilled each step
-        self._vocab = vocab_size
-
-    def allowed(self) -> torch.Tensor:
-        """(V,) bool: the tokens the grammar accepts next."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        # bit j of int32 word i is token 32 i + j: little-endian bytes, low bit first
-        bits = np.unpackbits(self._bitmask[0].numpy().view(np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self._vocab]).bool()
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher  # xgrammar.GrammarMatcher
 
     def accept(self, token: int) -> None:
-        if not self._matcher.accept_token(token):
+        if not self.matcher.accept_token(token):
             raise EngineError(f"token {token} breaks the request's grammar")
 
     @property
     def done(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return bool(self.matcher.is_terminated())
+
+
+def mask_rejected(logits: torch.Tensor, grammars: Sequence[TokenGrammar | None]
+                  ) -> torch.Tensor:
+    """`logits` (B, V) float32 with every token that row b's grammar rejects next at -inf, as
+    a copy; rows without a grammar (None) as they were, and `logits` itself when none has one.
+    The rows' bitmasks are filled in one call (xgrammar's batch matcher, over its threads) and
+    applied in one, so a step's cost does not grow with Python work per row."""
+    rows = [b for b, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return logits
+    import xgrammar
+
+    vocab = logits.shape[-1]
+    bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)
+    _batch_matcher().batch_fill_next_token_bitmask(
+        [grammars[b].matcher for b in rows], bitmask, indices=rows)  # type: ignore[union-attr]
+    masked = logits.float().clone().contiguous()
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
+    return masked
+
+
+@cache
+def _batch_matcher() -> Any:
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher()
 
 
 class Grammars:
@@ -68,5 +86,4 @@ class Grammars:
             compiled = self._compiler.compile_structural_tag(structural_tag)
         except Exception as exc:  # xgrammar's errors have no common base
             raise EngineError(f"cannot compile the structural tag: {exc}") from exc
-        return TokenGrammar(xgrammar.GrammarMatcher(compiled),
-                            xgrammar.allocate_token_bitmask(1, self._vocab), self._vocab)
+        return TokenGrammar(xgrammar.GrammarMatcher(compiled))

@@ -10,8 +10,8 @@ which tokens may be drawn but does not renormalize the reported logprob; the nuc
 holds the most likely token, however small `top_p` (its limit as top_p -> 0 is greedy). Greedy
 decoding (temperature 0) takes the argmax and reports the raw log_softmax.
 
-A row with an `allowed` mask (constrained decoding, serving/grammar.py) samples from its
-logits with every other token at -inf: its distribution, and so the logprob it reports, is
+A row with a grammar (constrained decoding, serving/grammar.py) samples from its logits with
+every token the grammar rejects at -inf: its distribution, and so the logprob it reports, is
 the one renormalized over the allowed tokens, which is what was actually sampled from (a
 token the grammar forces has logprob 0).
 """
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.grammar import TokenGrammar, mask_rejected
+
 
 @dataclass(frozen=True)
 class RowSampling:
@@ -31,19 +33,13 @@ class RowSampling:
     temperature: float
     top_p: float
     generator: torch.Generator
-    allowed: torch.Tensor | None = None  # (V,) bool: the only tokens it may sample
+    grammar: TokenGrammar | None = None  # the only tokens it may sample are the grammar's
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]
                 ) -> tuple[list[int], list[float], torch.Tensor]:
     """Sample one token per row of `logits` (B, V): (tokens, their logprobs, logprobs (B, V))."""
-    logits = logits.float()
-    masked = [b for b, r in enumerate(rows) if r.allowed is not None]
-    if masked:
-        index = torch.tensor(masked)
-        allowed = torch.stack([rows[b].allowed for b in masked])  # type: ignore[misc]
-        logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill(
-            ~allowed, float("-inf")))
+    logits = mask_rejected(logits.float(), [r.grammar for r in rows])
     temperature = torch.tensor([[r.temperature if r.temperature > 0 else 1.0] for r in rows])
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     tokens = logits.argmax(dim=-1)  # the greedy rows' answer

@@ -78,7 +78,7 @@ class EngineSequence:
     @property
     def sampling(self) -> RowSampling:
         return RowSampling(self.request.temperature, self.request.top_p, self.generator,
-                           self.grammar.allowed() if self.grammar is not None else None)
+                           self.grammar)
 
     def accept(self, token: int, logprob: float, logprobs: torch.Tensor,
                version: ModelVersion) -> bool:
