@@ -4,15 +4,16 @@
 `Grammars` compiles tags for one tokenizer (each distinct tag once, in xgrammar's cache: an
 agent sends the same tools every turn) and opens a `TokenGrammar` per request, which follows
 the tokens sampled; `mask_rejected` puts a decode step's constrained rows' rejected tokens at
--inf, all rows in one batched fill. The stop tokens are allowed
-exactly where the grammar is complete, so a constrained generation ends with its last call.
-xgrammar is imported on the first constrained request only.
+-inf, all rows in one batched fill. The stop tokens are allowed exactly where the grammar is
+complete, so a constrained generation ends with its last call. xgrammar is imported on the
+first constrained request only.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
-from functools import cache, cached_property
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -50,16 +51,23 @@ def mask_rejected(logits: torch.Tensor, grammars: Sequence[TokenGrammar | None]
     bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)
     _batch_matcher().batch_fill_next_token_bitmask(
         [grammars[b].matcher for b in rows], bitmask, indices=rows)  # type: ignore[union-attr]
-    masked = logits.float().clone().contiguous()
+    masked = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     xgrammar.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
     return masked
 
 
-@cache
-def _batch_matcher() -> Any:
-    import xgrammar
+_per_thread = threading.local()
 
-    return xgrammar.BatchGrammarMatcher()
+
+def _batch_matcher() -> Any:
+    """This thread's batch matcher: each engine samples on a thread of its own, so a matcher
+    (and its thread pool) is never called from two engines at once."""
+    matcher = getattr(_per_thread, "matcher", None)
+    if matcher is None:
+        import xgrammar
+
+        matcher = _per_thread.matcher = xgrammar.BatchGrammarMatcher()
+    return matcher
 
 
 class Grammars:

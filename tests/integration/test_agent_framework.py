@@ -47,9 +47,9 @@ def test_openai_agents_sdk_solves_a_task_through_function_calling(
         (observation,), _ = env.step([call])
         return observation
 
-    # the built-in agent's tools, written as an SDK user writes them: the signatures and
-    # docstrings (the built-in descriptions, which the model was trained with) become the
-    # function tools the model sees
+    # the built-in agent's tools, written as an SDK user writes them: the signatures (with
+    # the built-in descriptions, which the model was trained with) become the function tools
+    # the model sees
     def read_file(path: str) -> str:
         return run(ToolCall("read_file", {"path": path}))
 
@@ -66,10 +66,8 @@ def test_openai_agents_sdk_solves_a_task_through_function_calling(
         return run(ToolCall("finish"))
 
     described = {t["function"]["name"]: t["function"]["description"] for t in TOOLS}
-    tools = []
-    for fn in (read_file, write_file, apply_edit, run_tests, finish):
-        fn.__doc__ = described[fn.__name__]
-        tools.append(function_tool(fn))
+    tools = [function_tool(fn, description_override=described[fn.__name__])
+             for fn in (read_file, write_file, apply_edit, run_tests, finish)]
 
     set_tracing_disabled(True)  # no trace export: nothing leaves this machine
     with flywheel_up(tmp_path / "data", skilled) as (url, kafka):
@@ -79,7 +77,7 @@ def test_openai_agents_sdk_solves_a_task_through_function_calling(
             model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
             model_settings=ModelSettings(temperature=0.0, max_tokens=64,
                                          extra_body={"session_id": "sdk-session"}),
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
             tool_use_behavior={"stop_at_tool_names": ["finish"]})
         result = asyncio.run(Runner.run(agent, task.starting_file, max_turns=6,
                                         run_config=RunConfig(tracing_disabled=True)))
