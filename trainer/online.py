@@ -174,8 +174,10 @@ class OnlineTrainer:
     def logprobs(self, model: Any, batch: TokenBatch, rows: Sequence[Row]) -> torch.Tensor:
         """(B, T) logprobs of every token, per-row temperature, logged routes replayed."""
         temps = torch.tensor([r.temperature for r in rows], device=batch.tokens.device)
-        with _maybe_replay(model, self._routes(rows, batch.tokens.shape[1])):
-            return sequence_logprobs(model, batch, temperature=temps)
+        routes = self._routes(rows, batch.tokens.shape[1])
+        with _maybe_replay(model, routes):  # replayed routes are per (row, token): no sharing
+            return sequence_logprobs(model, batch, temperature=temps,
+                                     share_prefix=routes is None)
 
     def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
         """The logged routes to replay; a row logged without routes (a backend that cannot

@@ -1,8 +1,9 @@
 """The trained policy: the same Hugging Face model class as serving, plus its optimizer.
 
-`sequence_logprobs` runs one full-sequence forward over given token ids and returns the
-log-probability of every trained token under the model (temperature applied, as the engine
-reports it), which is what GRPO compares to the behavior logprobs recorded at sampling time.
+`sequence_logprobs` runs a forward over given token ids (a prefix every row shares, once) and
+returns the log-probability of every trained token under the model (temperature applied, as
+the engine reports it), which is what GRPO compares to the behavior logprobs recorded at
+sampling time.
 Sequences of a batch are right-padded; padding never reaches a loss because its mask is 0.
 
 `Policy.train_step` is one optimizer step of an `Objective` (mid-training's next-token loss,
@@ -71,19 +72,33 @@ class TokenBatch:
 
 
 def sequence_logprobs(model: Any, batch: TokenBatch, *,
-                      temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+                      temperature: float | torch.Tensor = 1.0,
+                      share_prefix: bool = True) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) at every position t that some row of the batch
     trains (`loss_mask`); 0 elsewhere, position 0 included. Returns (B, T).
 
     The model's head and softmax run at those positions only (`logits_to_keep`): most of a row
     is prompt, tool output or padding, and the head over a vocabulary is the largest matmul of a
-    small model. `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw
-    logits)."""
+    small model. A prefix every row shares (the system prompt and tool listing) goes through
+    the layers once and reaches the rows as a key/value cache that the backward pass flows
+    through, so its gradient is the same as if each row had computed it (`share_prefix=False`:
+    one forward over whole rows, for hooks that index tokens by row, such as route replay).
+    `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
     keep = batch.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)  # predicting a trained token
     if keep.numel() == 0:  # nothing trained (a rank's silenced row): one position keeps the graph
         keep = torch.zeros(1, dtype=torch.long, device=batch.tokens.device)
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask,
-                   use_cache=False, logits_to_keep=keep).logits.float()  # (B, K, V)
+    prefix = shared_prefix(batch, limit=int(keep.min())) if share_prefix else 0
+    cache = None
+    if prefix:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model(input_ids=batch.tokens[:1, :prefix], past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        cache.batch_repeat_interleave(batch.tokens.shape[0])
+    logits = model(input_ids=batch.tokens[:, prefix:], attention_mask=batch.attention_mask,
+                   past_key_values=cache, use_cache=cache is not None,
+                   logits_to_keep=keep - prefix).logits.float()  # (B, K, V)
     if isinstance(temperature, torch.Tensor):
         temps = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)  # (B,)
         logits = logits / temps[:, None, None]
@@ -93,6 +108,21 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
     picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
     out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
     return out.index_copy(1, keep + 1, picked)
+
+
+MIN_SHARED_PREFIX = 32  # tokens: below this a second forward costs more than it saves
+
+
+def shared_prefix(batch: TokenBatch, *, limit: int) -> int:
+    """How many leading tokens every row of `batch` has in common (at most `limit`, the first
+    position whose logits are needed); 0 when that is under `MIN_SHARED_PREFIX` or there is one
+    row."""
+    tokens = batch.tokens
+    if tokens.shape[0] < 2:
+        return 0
+    same = ((tokens == tokens[:1]) & (batch.attention_mask == 1)).all(0)  # (T,)
+    length = min(int(same.long().cumprod(0).sum()), limit)
+    return length if length >= MIN_SHARED_PREFIX else 0
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 import torch
 
 from serving.engine import GenerationRequest
-from trainer.policy import Policy
+from trainer.policy import (
+    MIN_SHARED_PREFIX,
+    Policy,
+    TokenBatch,
+    sequence_logprobs,
+    shared_prefix,
+)
 
 
 def test_policy_logprobs_match_engine_behavior_logprobs(model_dir: Path) -> None:
@@ -77,3 +84,38 @@ def test_rollouts_on_a_caching_engine_have_the_policys_logprobs(model_dir: Path)
         logp = policy.token_logprobs(batch, temperature=1.0)
     behavior = batch.pad_like([s.logprobs for s in segments])
     assert ((logp - behavior).abs() * batch.loss_mask).max() < 1e-3
+
+
+def _logprobs_and_grads(policy: Policy, batch: TokenBatch, *, share_prefix: bool
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    policy.model.zero_grad()
+    logp = sequence_logprobs(policy.model, batch, share_prefix=share_prefix)
+    (logp * batch.loss_mask).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in policy.model.named_parameters()
+                           if p.grad is not None}
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole_rows(
+        model_dir: Path, batch_invariant: bool) -> None:
+    """Rows opening with the same system prompt: the prefix goes through the layers once, and
+    the logprobs and the gradient (which flows back through its key/value cache) are those of
+    one forward over whole rows; bit for bit under the batch-invariant kernels."""
+    policy = Policy.load(model_dir, lr=1e-3, batch_invariant=batch_invariant)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(5, 2000, (MIN_SHARED_PREFIX + 20,), generator=generator).tolist()
+    rows = [prefix + torch.randint(5, 2000, (n,), generator=generator).tolist()
+            for n in (9, 23, 40)]
+    trained_from = len(prefix) + 3  # the prefix and a little more are prompt
+    batch = policy.batch(rows, [[0] * trained_from + [1] * (len(r) - trained_from) for r in rows])
+    assert shared_prefix(batch, limit=trained_from - 1) == len(prefix)
+
+    shared, shared_grads = _logprobs_and_grads(policy, batch, share_prefix=True)
+    whole, whole_grads = _logprobs_and_grads(policy, batch, share_prefix=False)
+    assert shared_grads.keys() == whole_grads.keys() and whole_grads
+    if batch_invariant:
+        assert torch.equal(shared, whole)
+    else:
+        torch.testing.assert_close(shared, whole, rtol=0, atol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
