@@ -82,7 +82,9 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
     small model. A prefix every row shares (the system prompt and tool listing) goes through
     the layers once and reaches the rows as a key/value cache that the backward pass flows
     through, so its gradient is the same as if each row had computed it (`share_prefix=False`:
-    one forward over whole rows, for hooks that index tokens by row, such as route replay).
+    one forward over whole rows, for hooks that index tokens by row, such as route replay, and
+    for FSDP2-sharded blocks, which free their gathered weights after each forward and expect
+    one backward per forward).
     `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
     keep = batch.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)  # predicting a trained token
     if keep.numel() == 0:  # nothing trained (a rank's silenced row): one position keeps the graph
@@ -227,7 +229,8 @@ class Policy:
         return TokenBatch.from_sequences(sequences, masks, pad_id=self.pad_id)
 
     def token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        return sequence_logprobs(self.model, batch, temperature=temperature)
+        return sequence_logprobs(self.model, batch, temperature=temperature,
+                                 share_prefix=not self.world.sharded)
 
     @property
     def lr(self) -> float:
@@ -267,7 +270,8 @@ class Policy:
         advantages = (None if mine.advantages is None
                       else torch.tensor(mine.advantages, dtype=torch.float32))  # (B,)
         batch = batch.to(world.device)
-        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature)
+        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature,
+                                 share_prefix=not self.world.sharded)  # FSDP2: one forward
         loss, metrics = objective.loss(
             logp, batch, None if behavior is None else behavior.to(world.device),
             None if advantages is None else advantages.to(world.device))

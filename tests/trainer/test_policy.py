@@ -117,5 +117,6 @@ def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole
         assert torch.equal(shared, whole)
     else:
         torch.testing.assert_close(shared, whole, rtol=0, atol=1e-5)
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, grad in whole_grads.items():  # float sums in another order: close in norm
+        error = float((shared_grads[name] - grad).norm())
+        assert error <= 1e-4 * float(grad.norm()) + 1e-7, (name, error, float(grad.norm()))
