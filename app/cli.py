@@ -163,6 +163,9 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
     from trainer.offline import run_bootstrap
     from trainer.trackers import TrackerSettings
 
+    # the launcher stops the ranks with SIGTERM when one fails: the leader's broker and
+    # rollout workers go with it
+    interrupt_on_sigterm()
     cfg = BootstrapSettings.model_validate_json(cfg_json)
     trackers = TrackerSettings.model_validate_json(trackers_json or "{}")
     world = join_world(timeout_s=1800.0)  # the others wait in one while the leader evaluates
