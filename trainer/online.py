@@ -177,7 +177,7 @@ class OnlineTrainer:
         routes = self._routes(rows, batch.tokens.shape[1])
         with _maybe_replay(model, routes):  # replayed routes are per (row, token): no sharing
             return sequence_logprobs(model, batch, temperature=temps,
-                                     share_prefix=routes is None and not self.world.sharded)
+                                     share_prefix=routes is None)
 
     def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
         """The logged routes to replay; a row logged without routes (a backend that cannot

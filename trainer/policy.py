@@ -82,14 +82,15 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
     small model. A prefix every row shares (the system prompt and tool listing) goes through
     the layers once and reaches the rows as a key/value cache that the backward pass flows
     through, so its gradient is the same as if each row had computed it (`share_prefix=False`:
-    one forward over whole rows, for hooks that index tokens by row, such as route replay, and
-    for FSDP2-sharded blocks, which free their gathered weights after each forward and expect
-    one backward per forward).
+    one forward over whole rows, for hooks that index tokens by row, such as route replay). An
+    FSDP2-sharded model always runs one forward: its blocks free their gathered weights after
+    each forward and expect one backward per forward.
     `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
     keep = batch.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)  # predicting a trained token
     if keep.numel() == 0:  # nothing trained (a rank's silenced row): one position keeps the graph
         keep = torch.zeros(1, dtype=torch.long, device=batch.tokens.device)
-    prefix = shared_prefix(batch, limit=int(keep.min())) if share_prefix else 0
+    prefix = shared_prefix(batch, limit=int(keep.min())) \
+        if share_prefix and not _fsdp_sharded(model) else 0
     cache = None
     if prefix:
         from transformers import DynamicCache
@@ -110,6 +111,14 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
     picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
     out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
     return out.index_copy(1, keep + 1, picked)
+
+
+def _fsdp_sharded(model: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)  # trainer/distributed.py shards the root too
 
 
 MIN_SHARED_PREFIX = 32  # tokens: below this a second forward costs more than it saves
@@ -229,8 +238,7 @@ class Policy:
         return TokenBatch.from_sequences(sequences, masks, pad_id=self.pad_id)
 
     def token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        return sequence_logprobs(self.model, batch, temperature=temperature,
-                                 share_prefix=not self.world.sharded)
+        return sequence_logprobs(self.model, batch, temperature=temperature)
 
     @property
     def lr(self) -> float:
@@ -270,8 +278,7 @@ class Policy:
         advantages = (None if mine.advantages is None
                       else torch.tensor(mine.advantages, dtype=torch.float32))  # (B,)
         batch = batch.to(world.device)
-        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature,
-                                 share_prefix=not self.world.sharded)  # FSDP2: one forward
+        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature)
         loss, metrics = objective.loss(
             logp, batch, None if behavior is None else behavior.to(world.device),
             None if advantages is None else advantages.to(world.device))
