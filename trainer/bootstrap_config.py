@@ -35,6 +35,15 @@ class BootstrapSettings(BaseModel):
     midtrain_lr: float = Field(default=3e-3, gt=0)  # peak, after a 10-step warm-up
     midtrain_lr_floor: float = Field(default=1.0, gt=0, le=1)  # cosine end, x peak; 1: constant
     midtrain_practice: bool = True  # add the source's practice tasks to the corpus
+    # Stop mid-training early, at the first check (every `midtrain_check_every` steps) where the
+    # model writes the first call of the practice tasks held back for GRPO with this mean
+    # probability when sampling at `midtrain_check_temperature`; midtrain_steps is then the
+    # most it runs. The copying of a parameter forms as a sharp transition whose step moves
+    # with the CPU's float order, so a start of a given strength is a quality, not a count
+    # (the demo's version 0). None: midtrain_steps exactly
+    midtrain_until: float | None = Field(default=None, gt=0, le=1)
+    midtrain_check_every: int = Field(default=25, ge=1)
+    midtrain_check_temperature: float = Field(default=0.7, gt=0)
     # GRPO
     mode: Literal["async", "sync"] = "async"
     # A share of the source's practice tasks is held back from mid-training for GRPO: values

@@ -16,7 +16,7 @@ import math
 import random
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,14 @@ def demonstration_call(task: Task) -> ToolCall:
         return ToolCall("apply_edit", {"path": SOLUTION_FILE, "old": old,
                                        "new": solution.rstrip("\n")})
     return ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.prompt + solution})
+
+
+def first_call(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
+    """(token ids, mask) of the episode's opening and the demonstration's first call, the
+    mask on the call: what the model must write to solve `task` in one turn."""
+    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
+    reply = chat.encode(render_call(demonstration_call(task))) + [chat.im_end]
+    return ids + reply, [0] * len(ids) + [1] * len(reply)
 
 
 def transcript(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
@@ -79,30 +87,60 @@ def cosine_factor(progress: float, *, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+@dataclass(frozen=True)
+class QualityStop:
+    """Mid-training's early stop: every `every` steps, the mean probability that the model,
+    sampling at `temperature`, writes the demonstration's first call of each of `tasks` (tasks
+    it is not trained on, so this is copying, not recall); mid-training stops at the first
+    check that reaches `target`. One forward pass a check, no episodes run: a lower bound of
+    one-turn pass@1 at that temperature (another correct call, or a retry, also passes)."""
+
+    tasks: list[Task]
+    target: float
+    temperature: float
+    every: int
+
+    def score(self, policy: Policy, chat: ChatTokens) -> float:
+        rows = [first_call(chat, t) for t in self.tasks]
+        probs = policy.written_probability(Rows([r[0] for r in rows], [r[1] for r in rows]),
+                                           self.temperature)
+        return sum(probs) / len(probs)
+
+
 @dataclass
 class MidTrainResult:
-    steps: int
+    steps: int  # run: fewer than asked when a QualityStop stopped it
     final_loss: float
+    checks: list[tuple[int, float]] = field(default_factory=list)  # (step, QualityStop score)
 
 
 def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int, batch_size: int,
-             lr: float, lr_floor: float = 0.1, seed: int = 0,
+             lr: float, lr_floor: float = 0.1, seed: int = 0, stop: QualityStop | None = None,
              progress: bool = False) -> MidTrainResult:
-    """`steps` AdamW steps of masked next-token loss over shuffled demonstration transcripts;
-    the rate warms up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0: constant)."""
+    """`steps` AdamW steps (fewer if `stop` is reached) of masked next-token loss over shuffled
+    demonstration transcripts; the rate warms up to `lr`, then decays by cosine to `lr_floor` x
+    `lr` (1.0: constant)."""
     from tqdm import tqdm
 
     corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
     rng = random.Random(seed)
-    loss_value = float("nan")
-    for step in tqdm(range(steps), desc="mid-training", disable=not progress,
-                     dynamic_ncols=True, mininterval=1.0):
+    result = MidTrainResult(steps=0, final_loss=float("nan"))
+    bar = tqdm(range(steps), desc="mid-training", disable=not progress, dynamic_ncols=True,
+               mininterval=1.0)
+    for step in bar:
         rows = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
         metrics = policy.train_step(Rows([r[0] for r in rows], [r[1] for r in rows]),
                                     NextTokenLoss(), lr * lr_factor(step, steps, floor=lr_floor))
-        loss_value = metrics["loss"]
+        result.steps, result.final_loss = step + 1, metrics["loss"]
+        if stop is not None and result.steps % stop.every == 0:
+            score = stop.score(policy, chat)
+            result.checks.append((result.steps, score))
+            bar.set_postfix(written=f"{score:.1%}")
+            if score >= stop.target:
+                break
+    bar.close()
     policy.version = 0  # mid-training produces the start policy: version 0 of the RL run
-    return MidTrainResult(steps=steps, final_loss=loss_value)
+    return result
 
 
 @dataclass
@@ -159,8 +197,30 @@ def rl_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> l
                     if held_back(t, cfg.grpo_practice_fraction)]
 
 
+def unseen_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
+    """Practice tasks mid-training never shows (those held back for GRPO, or all of them when
+    the corpus has none), at most `eval_tasks`: what `midtrain_until` is checked on."""
+    practice = source.practice_tasks()
+    if cfg.midtrain_practice:
+        practice = [t for t in practice if held_back(t, cfg.grpo_practice_fraction)]
+    return [t for t in practice if t.canonical_solution][:cfg.eval_tasks]
+
+
+def quality_stop(cfg: BootstrapSettings, source: TaskSource) -> QualityStop | None:
+    """The settings' early stop (`midtrain_until`), or None."""
+    if cfg.midtrain_until is None:
+        return None
+    tasks = unseen_tasks(cfg, source)
+    if not tasks:
+        raise ValueError("midtrain_until needs practice tasks that mid-training does not see: "
+                         "set grpo_practice_fraction above 0 or midtrain_practice false")
+    return QualityStop(tasks, cfg.midtrain_until, cfg.midtrain_check_temperature,
+                       cfg.midtrain_check_every)
+
+
 def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
-                steps: int | None = None, progress: bool = False) -> MidTrainResult:
+                steps: int | None = None, stop: QualityStop | None = None,
+                progress: bool = False) -> MidTrainResult:
     """`midtrain` with the settings' batch, rate, schedule and threads (`midtrain_threads`,
     then back to the threads the caller had)."""
     import os
@@ -173,6 +233,7 @@ def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
         return midtrain(policy, ChatTokens(policy.tokenizer), tasks,
                         steps=cfg.midtrain_steps if steps is None else steps,
                         batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
-                        lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed, progress=progress)
+                        lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed, stop=stop,
+                        progress=progress)
     finally:
         torch.set_num_threads(threads)

@@ -350,14 +350,15 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
     from simulate.sandbox_service import sandbox_runner
     from simulate.tasks import build_task_source
-    from trainer.midtrain import corpus_tasks, midtrain_on, rl_tasks
+    from trainer.midtrain import corpus_tasks, midtrain_on, quality_stop, rl_tasks
 
     start = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     source = build_task_source(cfg.tasks)
     train, held_out = source.split("train"), source.split("held_out")
     random.Random(cfg.seed).shuffle(held_out)
-    mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train), progress=progress)
+    mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train),
+                      stop=quality_stop(cfg, source), progress=progress)
     cache = SandboxCache(sandbox_runner(cfg.sandbox_url))
     eval_engine = make_engine(policy, cfg, seed=cfg.seed)
     tracked = build_trackers(trackers, "bootstrap", run_dir,
@@ -383,7 +384,9 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
                "cheating_flagged": flagged, "wall_s": round(time.monotonic() - start, 1)}
-    details = summary | {"midtrain_loss": mid.final_loss, "midtrain_and_eval_s": midtrain_s,
+    details = summary | {"midtrain_steps": mid.steps, "midtrain_loss": mid.final_loss,
+                         "midtrain_checks": mid.checks,
+                         "midtrain_and_eval_s": midtrain_s,
                          "samples": run.samples, "samples_per_s": run.samples_per_s,
                          "trainer_idle": run.trainer_idle, "fleet": run.fleet,
                          "evals": run.evals, "held_out_tasks": min(len(held_out), cfg.eval_tasks),

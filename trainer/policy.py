@@ -290,6 +290,22 @@ class Policy:
         return metrics | {"grad_norm": self.optimizer_step()}
 
     @collective
+    def written_probability(self, rows: Rows, temperature: float) -> list[float]:
+        """Per row, the probability that the model, sampling at `temperature`, writes the row's
+        masked tokens given what precedes each: the exp of their summed logprobs."""
+        world = self.world
+        mine = rows.take(world.rank, world.size)
+        ran = mine if len(mine) else rows.silenced()  # every rank runs the forward
+        batch = TokenBatch.from_sequences(ran.sequences, ran.masks,
+                                          pad_id=self.pad_id).to(world.device)
+        with torch.no_grad():
+            logp = sequence_logprobs(self.model, batch, temperature=temperature)
+        out = torch.zeros(len(rows), dtype=torch.float64)
+        if len(mine):
+            out[world.rank::world.size] = (logp * batch.loss_mask).sum(1).double().exp().cpu()
+        return world.all_sum(out).tolist()
+
+    @collective
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole weights, detached copies safe to hand to another thread ({} on the
         ranks other than the leader)."""

@@ -82,3 +82,46 @@ def test_cosine_factor_runs_from_one_to_the_floor_and_stays() -> None:
     assert cosine_factor(0.5, floor=0.1) == pytest.approx(0.55)
     assert cosine_factor(1.0, floor=0.1) == cosine_factor(1.7, floor=0.1) == pytest.approx(0.1)
     assert cosine_factor(0.3, floor=1.0) == 1.0
+
+
+def test_written_probability_is_the_product_of_the_masked_tokens_probabilities(
+        model_dir: Path) -> None:
+    import torch
+
+    from trainer.policy import Policy, Rows
+
+    policy = Policy.load(model_dir, lr=1e-3)
+    rows = Rows([[5, 6, 7, 8, 9], [5, 6, 7]], [[0, 0, 1, 1, 0], [0, 1, 1]])
+    written = policy.written_probability(rows, 0.7)
+    with torch.no_grad():
+        logits = policy.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits[0].double()
+    logp = (logits / 0.7).log_softmax(-1)  # position t predicts token t + 1
+    expected = [float((logp[1, 7] + logp[2, 8]).exp()), float((logp[0, 6] + logp[1, 7]).exp())]
+    assert written == pytest.approx(expected, rel=1e-4)
+
+
+def test_midtraining_stops_at_the_first_check_that_reaches_its_target(model_dir: Path) -> None:
+    import dataclasses
+
+    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.midtrain import corpus_tasks, midtrain, quality_stop
+    from trainer.policy import Policy
+
+    source = build_task_source(BuiltinTasksConfig())
+    train = source.split("train")
+    cfg = BootstrapSettings(midtrain_until=0.3)
+    stop = quality_stop(cfg, source)
+    assert stop is not None and (stop.target, stop.every) == (0.3, 25)
+    unseen = {t.task_id for t in stop.tasks}  # copying, not recall: none is trained on
+    assert unseen and not unseen & {t.task_id for t in corpus_tasks(cfg, source, train)}
+    assert quality_stop(BootstrapSettings(), source) is None
+
+    policy = Policy.load(model_dir, lr=1e-3)
+    chat = ChatTokens(policy.tokenizer)
+    never = dataclasses.replace(stop, tasks=stop.tasks[:3], target=1.0, every=2)
+    result = midtrain(policy, chat, train[:8], steps=5, batch_size=2, lr=1e-3, stop=never)
+    assert result.steps == 5 and [step for step, _ in result.checks] == [2, 4]
+    assert all(0.0 < p < 1.0 for _, p in result.checks)
+    reached = dataclasses.replace(never, target=1e-300)
+    result = midtrain(policy, chat, train[:8], steps=5, batch_size=2, lr=1e-3, stop=reached)
+    assert result.steps == 2 and len(result.checks) == 1 and policy.version == 0
