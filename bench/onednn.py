@@ -1,5 +1,5 @@
 """The lean decode step's GEMMs: torch's float32 `F.linear` (its BLAS) against the same products
-on oneDNN copies of the weights (`serving.decode.OneDnnWeights`), in one process.
+on oneDNN copies of the weights (`serving.onednn.OneDnnWeights`), in one process.
 
 Shapes are the ~124M serving model's experts (`TinyMoeSettings.large()`: 6 layers x 8 experts,
 gate/up 768 -> 2048, down 1024 -> 768), every expert's pair of matrices once per pass, for
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.decode import OneDnnWeights  # noqa: E402
+from serving.onednn import OneDnnWeights  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], runs: int) -> float:

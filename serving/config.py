@@ -29,7 +29,7 @@ class EngineSettings(BaseModel):
     # TOKENS, or off with bitwise batch invariance, which it excludes; 0: off (docs/serving.md)
     prefix_cache_tokens: int | None = Field(default=None, ge=0)
     # torch backend, float32 on a CPU: the lean step's GEMMs on oneDNN copies of the weights
-    # (serving.decode.OneDnnWeights). auto: where a model of SMALL_MODEL_PARAMS or more gets
+    # (serving.onednn.OneDnnWeights). auto: where a model of SMALL_MODEL_PARAMS or more gets
     # them faster than from torch's BLAS on this host, measured at load (1.6-1.8x on an AMD
     # EPYC host; slower on an Intel Xeon one, whose MKL is already fast)
     onednn: Literal["auto", "on", "off"] = "auto"

@@ -46,7 +46,7 @@ from serving.batching import (
     prefill_inputs,
 )
 from serving.config import default_threads, on_own_thread
-from serving.decode import Joining, OneDnnMode, decode, lean_decoder
+from serving.decode import Joining, decode, lean_decoder
 from serving.engine import (
     EngineClosedError,
     EngineError,
@@ -60,6 +60,7 @@ from serving.engine import (
 )
 from serving.grammar import Grammars
 from serving.hot_swap import swap
+from serving.onednn import OneDnnMode
 from serving.prefix_cache import PrefixCache, PrefixHit
 from serving.sampling import sample_rows
 from serving.sequence import EngineSequence

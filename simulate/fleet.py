@@ -41,8 +41,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ingest.config import KafkaConfig
-from ingest.events import RolloutGroup, RolloutJob, encode
+from ingest.events import encode
 from ingest.log import EventConsumer, EventProducer
+from ingest.rollout_events import RolloutGroup, RolloutJob
 from kernels.delta import apply_delta
 from kernels.delta.store import ArtifactStore
 from serving.engine import ModelVersion

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
+from ingest.events import PackedArray
+from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
 from simulate.rewards import Reward, RewardConfig, compute_reward, file_hashes, test_files
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed

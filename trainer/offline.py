@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ingest.config import KafkaConfig
-from ingest.events import RolloutGroup
+from ingest.rollout_events import RolloutGroup
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from serving.torch_engine import TorchEngine
 from simulate.rollouts import (
@@ -38,17 +38,12 @@ from simulate.rollouts import (
 from simulate.tasks import Task
 from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
 from trainer.distributed import World
-from trainer.fleet import (
-    LocalFleet,
-    PolicyPublisher,
-    RolloutFleet,
-    model_files,
-    open_local_fleet,
-)
+from trainer.fleet import LocalFleet, RolloutFleet, open_local_fleet
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
 from trainer.local_engine import build_harness, load_weights, make_engine
 from trainer.midtrain import cosine_factor
 from trainer.policy import Policy, Rows, TokenBatch
+from trainer.policy_publisher import PolicyPublisher, model_files
 from trainer.task_sampler import TaskSampler
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
 

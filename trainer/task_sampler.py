@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from ingest.events import RolloutGroup
+from ingest.rollout_events import RolloutGroup
 from simulate.tasks import Task
 
 

@@ -14,7 +14,8 @@ import torch
 
 from kernels.moe_replay import capture_routes
 from serving.batching import PaddedKVBatch, cache_kv
-from serving.decode import Joining, OneDnnWeights, Qwen3MoeDecoder, decode, lean_decoder
+from serving.decode import Joining, Qwen3MoeDecoder, decode, lean_decoder
+from serving.onednn import OneDnnWeights
 
 
 @pytest.fixture(scope="module")

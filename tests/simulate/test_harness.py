@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ingest.events import RolloutGroup, decode, encode
+from ingest.events import decode, encode
+from ingest.rollout_events import RolloutGroup
 from simulate.harness import SUMMARY_PREFIX, ChatTokens, Harness, HarnessConfig, model_tokens
 from simulate.rollouts import (
     SYSTEM_PROMPT,

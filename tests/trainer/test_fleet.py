@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 
 from ingest.config import KafkaConfig
-from ingest.events import RolloutJob
 from ingest.log import read_all
+from ingest.rollout_events import RolloutJob
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from simulate.tasks import BuiltinTasksConfig, build_task_source
 from tests.integration.test_releases import wait_for
 from trainer.bootstrap_config import BootstrapSettings
-from trainer.fleet import PolicyPublisher, RolloutFleet
+from trainer.fleet import RolloutFleet
+from trainer.policy_publisher import PolicyPublisher
 from trainer.task_sampler import TaskSampler
 
 

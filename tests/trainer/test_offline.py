@@ -69,7 +69,8 @@ def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path
     """Anchored at the trainer, a batch sampled several versions ago has ratio 1 and is never
     clipped (only IS-weighted); anchored at its behavior logprobs, the clip sees how far the
     policy has moved since."""
-    from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
+    from ingest.events import PackedArray
+    from ingest.rollout_events import RolloutGroup, RolloutTrajectory
     from trainer.bootstrap_config import BootstrapSettings
     from trainer.offline import OfflineTrainer
     from trainer.policy import Policy

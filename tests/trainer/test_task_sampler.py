@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from ingest.events import PackedArray, RolloutGroup, RolloutTrajectory
+from ingest.events import PackedArray
+from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from simulate.tasks import BuiltinTasksConfig, build_task_source
 from trainer.task_sampler import TaskSampler
 

@@ -1,0 +1,106 @@
+"""The rollout fleet's wire types: a job for a group of episodes out, the group back.
+
+Invariants (checked on decode, as for every type in `ingest/events.py`):
+- `RolloutJob.min_version <= step`; a `RolloutGroup` made for a job has `group_id == job_id`.
+- A `RolloutTrajectory`'s per-token arrays have one entry per token, and its segment lengths
+  sum to that count.
+
+Topics and keys: rollout-jobs and rollouts by job_id.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from ingest.events import SCHEMA_VERSION, PackedArray, utcnow
+
+ROLLOUT_SCHEMA_VERSION: Final = 3  # 2: each trajectory's anti-cheat flags; 3: job_id, worker
+
+
+class RolloutTrajectory(BaseModel):
+    """One agent episode, its context windows packed end to end.
+
+    `token_ids`, `loss_mask` (1 = model token) and `logprobs` (behavior policy, 0 where the
+    mask is 0) have one entry per token; `segment_lengths` splits them into the context windows
+    (self-summarization starts a new one) and sums to their length. `routed_experts`, when
+    present, has one row per token (rows past what the engine routed are zero padding).
+    `flags` are the anti-cheat checks that zeroed `reward` (`simulate.rewards`); [] when
+    clean.
+    """
+
+    token_ids: PackedArray
+    loss_mask: PackedArray
+    logprobs: PackedArray
+    segment_lengths: PackedArray
+    routed_experts: PackedArray | None = None
+    reward: float
+    turns: int = Field(ge=0)
+    finished: bool
+    flags: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutTrajectory:
+        t = len(self.token_ids)
+        for name in ("loss_mask", "logprobs"):
+            if len(getattr(self, name)) != t:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {t} tokens")
+        if int(self.segment_lengths.unpack().sum()) != t:
+            raise ValueError(f"segment_lengths do not sum to the {t} tokens")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != t:
+            raise ValueError(f"routed_experts has {self.routed_experts.shape[0]} rows for {t}")
+        return self
+
+
+class RolloutGroup(BaseModel):
+    """G rollouts of one task by one policy version: the unit GRPO normalizes rewards over.
+    Made for a `RolloutJob` (`job_id`, its key on `rollouts`) by rollout worker `worker`;
+    version 1-2 records have neither."""
+
+    event: Literal["RolloutGroup"] = "RolloutGroup"
+    schema_version: Literal[1, 2, 3] = ROLLOUT_SCHEMA_VERSION
+    group_id: str = Field(min_length=1, max_length=128)
+    task_id: str = Field(min_length=1, max_length=256)
+    policy_version: int = Field(ge=0)
+    trajectories: list[RolloutTrajectory] = Field(min_length=1)
+    created_at: datetime = Field(default_factory=utcnow)
+    job_id: str | None = Field(default=None, min_length=1, max_length=128)
+    worker: str | None = Field(default=None, max_length=128)
+
+
+class RolloutSampling(BaseModel):
+    """How a job's episodes are sampled: the harness's shape (`simulate.harness`)."""
+
+    temperature: float = Field(gt=0, le=2.0)
+    max_tokens: int = Field(ge=1)
+    max_turns: int = Field(ge=1)
+    context_budget: int = Field(ge=16)
+
+
+class RolloutJob(BaseModel):
+    """One group to make, keyed by `job_id` on the rollout-jobs topic: `group_size` episodes
+    of `task` (a `simulate.tasks.Task` as JSON) with episode seeds from `seed`, on policy
+    weights of version `min_version` or newer. The group is consumed at trainer step `step`,
+    which publishes version `step + 1`: once a newer version than `step` is announced, the
+    job is obsolete and a worker drops it unmade."""
+
+    event: Literal["RolloutJob"] = "RolloutJob"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    job_id: str = Field(min_length=1, max_length=128)
+    run_id: str = Field(min_length=1, max_length=128)
+    step: int = Field(ge=0)
+    min_version: int = Field(ge=0)
+    group_size: int = Field(ge=1, le=1024)
+    seed: int = Field(ge=0)
+    task: dict[str, Any]
+    sampling: RolloutSampling
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _version_fits_step(self) -> RolloutJob:
+        if self.min_version > self.step:
+            raise ValueError(f"min_version {self.min_version} is newer than the version "
+                             f"step {self.step} trains ({self.step})")
+        return self
