@@ -181,12 +181,11 @@ def test_dead_letter_keeps_raw_bytes() -> None:
 
 
 def current_schemas() -> dict[str, object]:
-    from ingest import events
+    from ingest import events, rollout_events
 
-    names = sorted(n for n in dir(events) if n in {
-        "GenerationLogged", "FeedbackReceived", "DeadLetter", "ExperienceReady",
-        "ReleasePublished", "RolloutGroup"})
-    return {name: getattr(events, name).model_json_schema() for name in names}
+    types = [events.GenerationLogged, events.FeedbackReceived, events.DeadLetter,
+             events.ExperienceReady, events.ReleasePublished, rollout_events.RolloutGroup]
+    return {t.__name__: t.model_json_schema() for t in types}
 
 
 def test_schema_snapshot() -> None:
