@@ -38,8 +38,8 @@ from app.stack import running_stack
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
-# (docs/bootstrap.md): a start with room to learn on both measures (at 0.4 version 0 began at
-# 41% held-out and gained 4.8 points there, docs/demo.md)
+# (docs/bootstrap.md): a start with room to learn on both measures. One demo at 0.4 and one at
+# 0.3 so far (docs/demo.md); the online gain varied more between them than the start did
 MIDTRAIN_UNTIL = 0.3
 
 
