@@ -35,6 +35,7 @@ from pydantic import SecretStr
 
 from app.settings import Settings
 from app.stack import running_stack
+from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
@@ -72,7 +73,8 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
         "release_every_steps": plan.release_every_steps, "stop_after_releases": plan.releases,
         "threads": 1, "lr": 2e-4, "min_batch": plan.online_batch,
         "max_batch": plan.online_batch, "checkpoint_every_steps": 10})
-    engine = settings.engine.model_copy(update={"threads": 1, "prefix_cache_tokens": 32768})
+    engine = settings.engine.model_copy(update={
+        "threads": 1, "prefix_cache_tokens": DEFAULT_PREFIX_CACHE_TOKENS})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
         "midtrain_check_every": 10,  # the copy transition passes 0.4 within ~25 steps

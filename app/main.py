@@ -77,11 +77,10 @@ def start_release_follower(services: Services) -> None:
     """Hot-swap every release announced on `releases` (serving/release_subscriber.py)."""
     from serving.release_subscriber import follow_releases
 
-    metrics = getattr(services, "metrics", None)
     services.replica = follow_releases(
         services.engine, services.kafka, services.settings.resolved_artifact_store_url,
         poll_timeout_ms=services.settings.release.poll_timeout_ms,
-        registry=metrics.registry if metrics is not None else None)
+        registry=services.metrics.registry)
 
 
 def start_scavenger(services: Services) -> None:

@@ -134,7 +134,3 @@ class FlywheelWorkerExtension:
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             if kernel is not None:
                 kernel.fused_experts.process_weights_after_loading(module)
-
-    def flywheel_discard(self) -> None:
-        """Drop a prepared release that will not be committed."""
-        self._fw_pending = None

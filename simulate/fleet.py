@@ -46,6 +46,7 @@ from ingest.log import EventConsumer, EventProducer
 from ingest.rollout_events import RolloutGroup, RolloutJob
 from kernels.delta import apply_delta
 from kernels.delta.store import ArtifactStore
+from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from serving.engine import ModelVersion
 from serving.release_subscriber import ReleaseSubscriber
 from serving.torch_engine import TorchEngine
@@ -66,7 +67,7 @@ class WorkerOptions(BaseModel):
     group_id: str | None = None  # None: "<rollout-jobs topic>-workers"
     groups_in_flight: int = Field(default=4, ge=1)  # jobs per decode batch
     torch_threads: int = Field(default=1, ge=1)
-    prefix_cache_tokens: int = Field(default=32768, ge=0)
+    prefix_cache_tokens: int = Field(default=DEFAULT_PREFIX_CACHE_TOKENS, ge=0)
     batch_invariant: bool = False
     seed: int = 0
     start_timeout_s: float = Field(default=3600.0, gt=0)  # for the first policy snapshot

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class BootstrapSettings(BaseModel):
     midtrain_threads: int | None = Field(default=None, ge=1)
     # keys/values of recent sequences kept per engine (2 KB a token for the default model):
     # later turns and a group's G copies of a prompt prefill only new tokens. 0: off
-    prefix_cache_tokens: int = Field(default=32768, ge=0)
+    prefix_cache_tokens: int = Field(default=DEFAULT_PREFIX_CACHE_TOKENS, ge=0)
     # tool calls and scoring as the Celery sandbox task on the sandbox fleet behind this broker
     # (redis://…; `celery worker -Q flywheel-sandbox` hosts); None: the local sandbox
     sandbox_url: str | None = None
