@@ -77,7 +77,7 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
         "threads": 1, "prefix_cache_tokens": DEFAULT_PREFIX_CACHE_TOKENS})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
-        "midtrain_check_every": 10,  # the copy transition passes 0.4 within ~25 steps
+        "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
         "max_steps": plan.grpo_steps,
         "time_budget_s": None, "eval_every": plan.grpo_steps})  # held-out before and after
     update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}

@@ -33,7 +33,7 @@ from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
 from trainer.bootstrap_config import BootstrapSettings  # noqa: E402
 from trainer.midtrain import QualityStop  # noqa: E402
-from trainer.policy import Policy  # noqa: E402
+from trainer.policy import Policy, Rows  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Curve(QualityStop):
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     cache: SandboxCache = dataclasses.field(default_factory=SandboxCache)
 
-    def score(self, policy: Policy, chat: ChatTokens) -> float:
+    def score(self, policy: Policy, rows: Rows) -> float:
         from trainer.local_engine import make_engine
         from trainer.offline import evaluate
 
@@ -55,10 +55,11 @@ class Curve(QualityStop):
             self.records.append({"step": step})
             return 0.0
         began = time.monotonic()
-        unseen = super().score(policy, chat)
+        unseen = super().score(policy, rows)
         held_out = QualityStop(self.held_out, self.target, self.temperature, self.every)
+        written = held_out.score(policy, held_out.rows(ChatTokens(policy.tokenizer)))
         record: dict[str, Any] = {"step": step, "unseen_written": round(unseen, 3),
-                                  "held_out_written": round(held_out.score(policy, chat), 3),
+                                  "held_out_written": round(written, 3),
                                   "check_s": round(time.monotonic() - began, 2)}
         if (step - self.start) % (2 * self.every) == 0:
             engine = make_engine(policy, self.cfg, seed=self.cfg.seed)

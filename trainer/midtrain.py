@@ -100,10 +100,14 @@ class QualityStop:
     temperature: float
     every: int
 
-    def score(self, policy: Policy, chat: ChatTokens) -> float:
-        rows = [first_call(chat, t) for t in self.tasks]
-        probs = policy.written_probability(Rows([r[0] for r in rows], [r[1] for r in rows]),
-                                           self.temperature)
+    def rows(self, chat: ChatTokens) -> Rows:
+        """The tasks' openings and first calls, the mask on the calls (the same every check)."""
+        calls = [first_call(chat, t) for t in self.tasks]
+        return Rows([c[0] for c in calls], [c[1] for c in calls])
+
+    def score(self, policy: Policy, rows: Rows) -> float:
+        """The mean probability of writing `rows`' masked calls (`rows(chat)`)."""
+        probs = policy.written_probability(rows, self.temperature)
         return sum(probs) / len(probs)
 
 
@@ -124,6 +128,7 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
 
     corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
     rng = random.Random(seed)
+    checked = stop.rows(chat) if stop is not None else None
     result = MidTrainResult(steps=0, final_loss=float("nan"))
     bar = tqdm(range(steps), desc="mid-training", disable=not progress, dynamic_ncols=True,
                mininterval=1.0)
@@ -132,8 +137,8 @@ def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int,
         metrics = policy.train_step(Rows([r[0] for r in rows], [r[1] for r in rows]),
                                     NextTokenLoss(), lr * lr_factor(step, steps, floor=lr_floor))
         result.steps, result.final_loss = step + 1, metrics["loss"]
-        if stop is not None and result.steps % stop.every == 0:
-            score = stop.score(policy, chat)
+        if stop is not None and checked is not None and result.steps % stop.every == 0:
+            score = stop.score(policy, checked)
             result.checks.append((result.steps, score))
             bar.set_postfix(written=f"{score:.1%}")
             if score >= stop.target:
