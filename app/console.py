@@ -82,7 +82,7 @@ class ConsoleFeeds:
         return self._lag
 
     def _follow_lag(self) -> None:
-        from kafka.errors import KafkaError
+        from ingest.log import BrokerError
 
         topics = [self.kafka.topics.sessions, self.kafka.topics.feedback]
         while not self._stop.is_set():
@@ -90,7 +90,7 @@ class ConsoleFeeds:
                 with self._lock:
                     self._lag = self.probe().group_lag(self.settings.join.group_id, topics)
                 self._lag_read.set()
-            except (KafkaError, OSError) as exc:  # the broker is away: keep the last reading
+            except (BrokerError, OSError) as exc:  # the broker is away: keep the last reading
                 log.warning("join lag unavailable: %s", exc)
             self._stop.wait(LAG_EVERY_S)
 

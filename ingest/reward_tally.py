@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.log import decode_all, from_beginning
+from ingest.log import TopicReader
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +78,17 @@ class RewardTally:
 
     def _run(self) -> None:
         try:
-            consumer, _ = from_beginning(self.config, self.config.topics.experiences)
+            reader = TopicReader(self.config, self.config.topics.experiences, ExperienceReady)
         except Exception:  # the console shows nothing tallied; the log says why
             log.exception("reward tally could not start")
             return
         try:
             while not self._stop.is_set():
-                for records in consumer.poll(timeout_ms=500).values():
-                    decoded = decode_all(ExperienceReady, [r.value or b"" for r in records])
-                    self.add([e for e in decoded if isinstance(e, ExperienceReady)])
+                self.add([record.event for record in reader.poll(timeout_ms=500)])
         except Exception:  # the console shows what was tallied; the log says why it stopped
             log.exception("reward tally stopped")
         finally:
-            consumer.close()
+            reader.close()
 
     def close(self) -> None:
         self._stop.set()

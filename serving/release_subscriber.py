@@ -26,11 +26,9 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from kafka import KafkaConsumer
-
 from ingest.config import KafkaConfig
-from ingest.events import EventDecodeError, ReleasePublished, decode
-from ingest.log import from_beginning
+from ingest.events import ReleasePublished
+from ingest.log import TopicReader
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion, SwapRecord
@@ -114,31 +112,21 @@ class ReleaseSubscriber:
 
     # ---- subscriber thread ----------------------------------------------------------------
     def _run(self) -> None:
-        consumer, parts = from_beginning(self.kafka, self.topic, fetch_max_wait_ms=100)
+        reader = TopicReader(self.kafka, self.topic, ReleasePublished, fetch_max_wait_ms=100)
         try:
-            ends = consumer.end_offsets(parts)
             while not self._stop.is_set():
-                for event in self._poll(consumer):
+                for record in reader.poll(timeout_ms=self.poll_timeout_ms):
+                    event = record.event
                     if self._newest is None or event.published_at > self._newest.published_at:
                         self._newest = event
-                if not self.ready.is_set() and all(consumer.position(p) >= ends[p]
-                                                   for p in parts):
+                if not self.ready.is_set() and reader.caught_up():
                     self.ready.set()
                 if self.auto_swap:
                     self._follow()
                 elif self.prepare_ahead:
                     self._prepare_newest()
         finally:
-            consumer.close()
-
-    def _poll(self, consumer: KafkaConsumer) -> Iterator[ReleasePublished]:
-        for records in consumer.poll(timeout_ms=self.poll_timeout_ms).values():
-            for rec in records:
-                try:
-                    yield decode(ReleasePublished, rec.value or b"")
-                except EventDecodeError as exc:
-                    log.error("%s@%d:%d undecodable, skipped: %s", self.topic,
-                              rec.partition, rec.offset, exc)
+            reader.close()
 
     def _prepare_newest(self) -> None:
         """Prepare the newest announcement against the live weights (read only, while the

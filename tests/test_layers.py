@@ -1,6 +1,7 @@
 """The package layers of DESIGN.md, checked on the source: `app → trainer → simulate → serving →
 {ingest, kernels}`; nothing imports upward, ingest and kernels not each other, and no two
-files import each other in a circle (imports inside functions count: they only defer one)."""
+files import each other in a circle (imports inside functions count: they only defer one); only
+ingest/ imports the Kafka client."""
 
 from __future__ import annotations
 
@@ -59,6 +60,25 @@ def test_no_package_imports_upward() -> None:
             if other != package and other not in LAYERS[package]:
                 wrong.append(f"{name} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports, anywhere in the file."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_only_ingest_holds_the_kafka_client() -> None:
+    """Kafka is reached through ingest/log.py's classes (and ingest/offsets.py's probe):
+    one seam, so a change of client or of delivery rules is made in one package."""
+    wrong = [name for name, path in modules().items()
+             if not name.startswith("ingest") and "kafka" in third_party_imports(path)]
+    assert not wrong, f"import the Kafka client outside ingest/: {wrong}"
 
 
 def test_no_two_files_import_each_other_in_a_circle() -> None:

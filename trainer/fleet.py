@@ -39,8 +39,8 @@ from typing import Any
 
 from ingest.broker import open_broker
 from ingest.config import KafkaConfig
-from ingest.events import DeadLetter, EventDecodeError, decode, encode
-from ingest.log import EventProducer, ensure_topics, from_beginning
+from ingest.events import encode
+from ingest.log import EventProducer, TopicReader, ensure_topics
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutSampling
 from simulate.fleet import LocalWorkers
 from trainer.bootstrap_config import BootstrapSettings
@@ -129,11 +129,10 @@ class RolloutFleet:
         self._ready: dict[int, list[tuple[int, RolloutGroup]]] = defaultdict(list)
         self._producer = EventProducer(kafka, client_id=f"fleet-{self.run_id}")
         self._partitions = self._producer.partitions(kafka.topics.rollout_jobs)
-        self._groups, parts = from_beginning(kafka, kafka.topics.rollouts,
-                                             fetch_max_wait_ms=50, max_poll_records=64)
-        self._groups.seek_to_end(*parts)  # this run's groups come after this point
-        for p in parts:
-            self._groups.position(p)  # resolve the end now, before any job goes out
+        # this run's groups come after this point (resolved now, before any job goes out)
+        self._groups = TopicReader(kafka, kafka.topics.rollouts, RolloutGroup, start="end",
+                                   dlq=self._producer, name="bootstrap",
+                                   fetch_max_wait_ms=50, max_poll_records=64)
         publisher.on_announced.append(self._on_announced)
 
     def min_version(self, step: int) -> int:
@@ -222,18 +221,9 @@ class RolloutFleet:
 
     # ---- groups in -------------------------------------------------------------------------
     def _poll(self) -> None:
-        for tp, records in self._groups.poll(timeout_ms=50).items():
-            for rec in records:
-                raw = rec.value or b""
-                try:
-                    group = decode(RolloutGroup, raw)
-                except EventDecodeError as exc:
-                    self._producer.send(self.kafka.topics.dlq, rec.key, DeadLetter.of(
-                        topic=tp.topic, partition=tp.partition, offset=rec.offset,
-                        key=rec.key, raw=raw, reason=str(exc), consumer="bootstrap"))
-                    continue
-                with self._lock:
-                    self._admit(group)
+        for record in self._groups.poll(timeout_ms=50):
+            with self._lock:
+                self._admit(record.event)
 
     def _admit(self, group: RolloutGroup) -> None:
         ledger, job_id = self.ledger, group.job_id or ""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ingest.events import ExperienceReady
+from ingest.log import Offsets
 from kernels.weights import state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
 from trainer.distributed import (
@@ -54,7 +55,6 @@ from trainer.online_loss import OnlineLoss, advantages, clipped_online_loss, onl
 from trainer.policy import TokenBatch, sequence_logprobs
 
 log = logging.getLogger(__name__)
-Offsets = dict[str, int]  # "topic:partition" -> next offset to read
 
 
 # ---- the trainer -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics
+from ingest.log import Delivered, EventProducer, Offsets, TopicReader, ensure_topics, offset_key
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
 from trainer.online import OnlineTrainer
@@ -29,51 +29,19 @@ from trainer.release import ReleaseSink
 from trainer.trackers import Trackers, build_trackers
 
 log = logging.getLogger(__name__)
-Offsets = dict[str, int]  # "topic:partition" -> next offset to read
 
 
 # ---- the experience source ----------------------------------------------------------------
-class ExperienceSource(EventConsumer):
-    """`EventConsumer` on `experiences`, assigned every partition by hand (no group rebalance
-    to wait for after a restart), seeking to checkpointed offsets, committing explicit ones."""
+ExperienceSource = TopicReader[ExperienceReady]
 
-    def __init__(self, config: KafkaConfig, *, group_id: str, dlq: EventProducer | None,
-                 max_poll_records: int = 500) -> None:
-        super().__init__(config, group_id=group_id,
-                         types={config.topics.experiences: ExperienceReady}, dlq=dlq,
-                         max_poll_records=max_poll_records)
-        from kafka import TopicPartition
 
-        self._consumer.unsubscribe()
-        topic = config.topics.experiences
-        parts = self._consumer.partitions_for_topic(topic) or set()
-        deadline = time.monotonic() + config.request_timeout_ms / 1000
-        while not parts and time.monotonic() < deadline:
-            time.sleep(0.1)
-            parts = self._consumer.partitions_for_topic(topic) or set()
-        self.partitions = [TopicPartition(topic, p) for p in sorted(parts)]
-        self._consumer.assign(self.partitions)
-
-    def seek(self, offsets: Offsets) -> None:
-        for tp in self.partitions:
-            offset = offsets.get(f"{tp.topic}:{tp.partition}")
-            if offset is not None:
-                self._consumer.seek(tp, offset)
-
-    def commit_offsets(self, offsets: Offsets) -> None:
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
-        commits = {}
-        for key, offset in offsets.items():
-            topic, partition = key.rsplit(":", 1)
-            commits[TopicPartition(topic, int(partition))] = OffsetAndMetadata(offset, "", -1)
-        self._consumer.commit(commits)
-
-    def lag(self, offsets: Offsets) -> int:
-        ends = self._consumer.end_offsets(self.partitions)
-        return sum(max(0, end - offsets.get(f"{tp.topic}:{tp.partition}", 0))
-                   for tp, end in ends.items())
+def experience_source(config: KafkaConfig, *, group_id: str, dlq: EventProducer | None
+                      ) -> ExperienceSource:
+    """Every partition of `experiences`, assigned by hand (no group rebalance to wait for
+    after a restart), from `group_id`'s committed offsets until the loop seeks to its
+    checkpoint's; the loop commits explicit offsets once a checkpoint is durable."""
+    return TopicReader(config, config.topics.experiences, ExperienceReady, start="committed",
+                       group_id=group_id, dlq=dlq, max_poll_records=500)
 
 
 @dataclass
@@ -105,7 +73,7 @@ def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
         return None
     offsets: Offsets = {}
     for record in pending[:cut]:
-        offsets[f"{record.topic}:{record.partition}"] = record.offset + 1
+        offsets[offset_key(record.topic, record.partition)] = record.offset + 1
     del pending[:cut]
     return Batch(taken, offsets, cut - len(taken))
 
@@ -302,7 +270,7 @@ def run_online(settings: Any, *, world: World | None = None,
     kafka = settings.kafka_config(settings.kafka_bootstrap)
     ensure_topics(kafka)
     dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
-    source = ExperienceSource(kafka, group_id=cfg.group_id, dlq=dlq)
+    source = experience_source(kafka, group_id=cfg.group_id, dlq=dlq)
     trackers = build_trackers(settings.trackers, "online", root,
                               params=cfg.model_dump(mode="json", exclude={"baseline"}))
     try:

@@ -21,7 +21,7 @@ from app.settings import Settings
 from app.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
 from ingest.events import FeedbackReceived
-from ingest.log import EventProducer, ensure_topics, partition_for, read_all
+from ingest.log import EventProducer, TopicReader, ensure_topics, partition_for, read_all
 from ingest.signing import SIGNATURE_HEADER, sign
 
 SECRETS = ["new-secret", "old-secret"]
@@ -70,26 +70,17 @@ def produced_ids(stack: RunningStack, ids: set[str]) -> list[str]:
 
 def placed(stack: RunningStack, event_ids: set[str]) -> dict[str, tuple[bytes | None, int]]:
     """Where the webhook put `event_ids` on `feedback`: (key, partition) by event id."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    topic = stack.kafka.topics.feedback
-    consumer = KafkaConsumer(bootstrap_servers=stack.kafka.bootstrap, group_id=None,
-                             enable_auto_commit=False, auto_offset_reset="earliest")
+    reader = TopicReader(stack.kafka, stack.kafka.topics.feedback, FeedbackReceived)
     try:
-        consumer.topics()
-        consumer.assign([TopicPartition(topic, p)
-                         for p in sorted(consumer.partitions_for_topic(topic) or ())])
         found: dict[str, tuple[bytes | None, int]] = {}
         deadline = time.monotonic() + 30
         while set(found) < event_ids and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=200).values():
-                for r in records:
-                    event_id = FeedbackReceived.model_validate_json(r.value).event_id
-                    if event_id in event_ids:
-                        found[event_id] = (r.key, r.partition)
+            for record in reader.poll(timeout_ms=200):
+                if record.event.event_id in event_ids:
+                    found[record.event.event_id] = (record.key, record.partition)
         return found
     finally:
-        consumer.close()
+        reader.close()
 
 
 def test_signed_event_is_produced_once(stack: RunningStack, http: httpx.Client) -> None:

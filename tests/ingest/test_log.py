@@ -12,14 +12,22 @@ from kafka.admin import NewTopic
 
 from ingest.config import KafkaConfig
 from ingest.events import DeadLetter, FeedbackReceived, encode
-from ingest.log import EventConsumer, EventProducer, partition_for, read_all, read_raw
+from ingest.log import (
+    EventConsumer,
+    EventProducer,
+    TopicReader,
+    offset_key,
+    partition_for,
+    read_all,
+    read_raw,
+)
 
 
 def feedback(i: int) -> FeedbackReceived:
     return FeedbackReceived(event_id=f"e{i}", generation_id=f"g{i}", kind="accept")
 
 
-def drain(consumer: EventConsumer, want: int, polls: int = 30) -> list:
+def drain(consumer: EventConsumer | TopicReader, want: int, polls: int = 30) -> list:
     got: list = []
     for _ in range(polls):
         got.extend(consumer.poll(timeout_ms=500))
@@ -54,6 +62,53 @@ def test_consumer_decodes_commits_and_dead_letters(kafka: KafkaConfig) -> None:
     again = EventConsumer(kafka, group_id=group, types={kafka.topics.feedback:
                                                         FeedbackReceived}, dlq=producer)
     assert [d.event.event_id for d in drain(again, 1)] == ["e9"]
+    again.close()
+    producer.close()
+
+
+def test_topic_reader_starts_where_told_seeks_commits_and_skips_bad_records(
+        kafka: KafkaConfig) -> None:
+    """The reader of every partition of one topic, without a group join: from the beginning,
+    from the end, or from a group's committed offsets; `seek` to stored offsets; a record that
+    does not decode goes to the DLQ, named by the reader, and the reader goes on."""
+    topic = kafka.topics.feedback
+    producer = EventProducer(kafka)
+    producer.send_raw(topic, "g0", b"not json")  # before e0, on its partition
+    for i in range(4):
+        producer.send(topic, f"g{i}", feedback(i))
+    producer.flush()
+
+    beginning = TopicReader(kafka, topic, FeedbackReceived, dlq=producer, name="reader-test")
+    got = drain(beginning, 4)
+    assert sorted(d.event.event_id for d in got) == ["e0", "e1", "e2", "e3"]
+    assert beginning.undecodable == 1 and beginning.caught_up()
+    beginning.close()
+    [letter] = [d for d in read_all(kafka, kafka.topics.dlq, DeadLetter)
+                if d.consumer == "reader-test"]
+    assert letter.raw() == b"not json" and letter.topic == topic
+
+    end = TopicReader(kafka, topic, FeedbackReceived, start="end")
+    assert end.poll(timeout_ms=300) == []
+    producer.send(topic, "g4", feedback(4))
+    producer.flush()
+    assert [d.event.event_id for d in drain(end, 1)] == ["e4"]
+    end.close()
+
+    group = f"reader-{uuid.uuid4().hex[:6]}"
+    first = TopicReader(kafka, topic, FeedbackReceived, start="committed", group_id=group)
+    records = drain(first, 5)  # nothing committed yet: from the beginning
+    assert len(records) == 5
+    offsets = {offset_key(d.topic, d.partition): d.offset + 1 for d in records}
+    assert first.lag({}) == 6 and first.lag(offsets) == 0  # the bad record is on the log too
+    first.commit_offsets(offsets)
+    first.close()
+
+    producer.send(topic, "g5", feedback(5))
+    producer.flush()
+    again = TopicReader(kafka, topic, FeedbackReceived, start="committed", group_id=group)
+    assert [d.event.event_id for d in drain(again, 1)] == ["e5"]
+    again.seek({offset_key(topic, p): 0 for p in range(kafka.topics.partitions)})
+    assert len(drain(again, 6)) == 6
     again.close()
     producer.close()
 

@@ -19,7 +19,7 @@ from trainer.online_control import (
     open_control_db,
     read_status,
 )
-from trainer.online_loop import ExperienceSource, OnlineLoop, take_batch
+from trainer.online_loop import OnlineLoop, experience_source, take_batch
 from trainer.release import ReleaseOutcome
 
 
@@ -51,7 +51,7 @@ def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) ->
     control = SqlTrainerControl(db)
     root = settings.data_dir / "trainer"
     trainer = OnlineTrainer.restore(settings.online, model_dir, root)
-    source = ExperienceSource(kafka, group_id="control-test", dlq=None)
+    source = experience_source(kafka, group_id="control-test", dlq=None)
     sink = RecordingSink()
     loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
                       latest_candidate=settings.resolved_candidate_path, release_sink=sink,
@@ -128,7 +128,7 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
     producer.close()
     root = settings.data_dir / "trainer"
     trainer = OnlineTrainer.restore(online, model_dir, root)
-    source = ExperienceSource(kafka, group_id="cadence-test", dlq=None)
+    source = experience_source(kafka, group_id="cadence-test", dlq=None)
     sink = RefuseFirstSink(fail=fail)
     try:
         OnlineLoop(trainer, source, candidate_dir=root / "candidates",
