@@ -136,6 +136,20 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def check_request(request: GenerationRequest, max_context: int, *, closed: bool) -> None:
+    """What every engine refuses before it queues a request, with the reason."""
+    if closed:
+        raise EngineClosedError("engine is closed")
+    prompt = len(request.prompt_token_ids)
+    if not prompt:
+        raise EngineError("prompt is empty")
+    if request.max_tokens < 1:
+        raise EngineError("max_tokens must be at least 1")
+    if prompt + request.max_tokens > max_context:
+        raise EngineError(f"prompt ({prompt}) + max_tokens ({request.max_tokens}) exceeds the "
+                          f"context ({max_context})")
+
+
 async def collect(deltas: AsyncIterator[GenerationDelta]) -> GenerationResult:
     """Drain a stream and return its final result."""
     async for delta in deltas:

@@ -11,11 +11,14 @@ swapped in whole. Any failed check raises `DeltaError` before a live weight is t
 
 `swap` does both at once; a caller that knows the next version early (a rollout worker, while
 it makes a batch on the current one) can `prepare_swap` ahead and `commit_swap` later.
+`BetweenSteps` is the engine thread's side: the calls and commits it was handed, each run
+between two decode steps.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +48,82 @@ class InPlaceEngine(Protocol):
 
     def swap_weights(self, commit: Commit, version: ModelVersion
                      ) -> concurrent.futures.Future[SwapTiming]: ...
+
+
+@dataclass(frozen=True)
+class _Swap:
+    commit: Commit
+    version: ModelVersion
+    future: concurrent.futures.Future[SwapTiming]
+    requested_at: float
+
+
+class BetweenSteps:
+    """Work other threads hand an in-place engine's thread, run between two decode steps:
+    a `call` at the next one; a `swap` once the rows in flight have finished (the engine
+    asks `swap_waiting()` before it admits requests and pauses admission while one waits),
+    so no response mixes two versions."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any],
+                                             concurrent.futures.Future[Any]]]
+        self._calls = queue.SimpleQueue()
+        self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
+        self._next_swap: _Swap | None = None
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Any thread: `fn(model)` at the next step; its future gets what it returns."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        return future
+
+    def swap(self, commit: Commit, version: ModelVersion
+             ) -> concurrent.futures.Future[SwapTiming]:
+        """Any thread: queue a commit to `version`; its future gets the pause it cost."""
+        future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
+        self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
+        return future
+
+    def run_calls(self, model: Any, before: Callable[[], None]) -> None:
+        """The engine thread: run every call handed so far, `before()` each (its weights may
+        change); a call's exception goes to its future."""
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                before()
+                try:
+                    future.set_result(fn(model))
+                except Exception as exc:  # handed to the caller through the future
+                    future.set_exception(exc)
+
+    def swap_waiting(self) -> bool:
+        """The engine thread: whether a swap waits for the rows in flight."""
+        if self._next_swap is None:
+            try:
+                self._next_swap = self._swaps.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def commit_swap(self, weights: Weights, serve: Callable[[ModelVersion], None]) -> None:
+        """The engine thread, with no row in flight: write the waiting swap into `weights`,
+        then `serve(version)` before its future resolves. A failed commit goes to the
+        future (its caller refuses the release) and the engine serves what it had."""
+        swap, self._next_swap = self._next_swap, None
+        assert swap is not None, "commit_swap() without a waiting swap"
+        started = time.perf_counter()
+        try:
+            swap.commit(weights)
+        except Exception as exc:  # handed to the caller, who refuses the release
+            swap.future.set_exception(exc)
+            return
+        serve(swap.version)
+        done = time.perf_counter()
+        swap.future.set_result(SwapTiming(paused_s=done - swap.requested_at,
+                                          copy_s=done - started))
 
 
 def plan(store: ArtifactStore, current: ModelVersion, target: int) -> list[ChainStep]:

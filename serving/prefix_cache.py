@@ -19,13 +19,27 @@ weights: the owner must `clear()` on every weight change.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 BLOCK = 16
+
+
+def repeat_waves(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The indices of `prompts` in prefill waves: each prompt's first copy, then its repeats
+    (a GRPO group's G copies), which wait for the first copy's prefill and then reuse all of
+    it but the last token. Empty waves are left out."""
+    first: list[int] = []
+    repeats: list[int] = []
+    seen: set[tuple[int, ...]] = set()
+    for i, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        (repeats if key in seen else first).append(i)
+        seen.add(key)
+    return [wave for wave in (first, repeats) if wave]
 
 
 @dataclass(eq=False)

@@ -1,19 +1,21 @@
 """One request of the torch engine (serving/torch_engine.py): on the engine thread, what it
 has sampled and how it samples its next token (its own seeded generator, whatever its batch);
 on the asyncio side, its deltas, the last carrying the whole `GenerationResult`. A consumer
-that stops reading them cancels it: the engine drops it before the next step."""
+that stops reading them cancels it: the engine drops it before the next step.
+`DecodingRows` are the requests decoding together, beside their keys/values."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from serving.batching import PaddedKVBatch, compact_order
 from serving.detokenize import TextTracker
 from serving.engine import (
     FinishReason,
@@ -123,3 +125,57 @@ class EngineSequence:
             token_ids=[tok] if tok is not None else [], logprobs=[lp] if lp is not None else [],
             text=text, top_logprobs=[tops] if tok is not None and self.request.top_logprobs
             else [], finish_reason=reason, result=result))
+
+
+class DecodingRows:
+    """The requests decoding together: row b of `seqs` is row b of `kv`, their keys/values
+    (serving/batching.py), joined, sampled, kept and failed together."""
+
+    def __init__(self) -> None:
+        self.seqs: list[EngineSequence] = []
+        self.kv = PaddedKVBatch()
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def join(self, joined: Sequence[tuple[EngineSequence, Any, int]]) -> None:
+        """Prefilled requests join the batch: (request, its keys/values, prompt length)."""
+        self.seqs += [seq for seq, _, _ in joined]
+        self.kv.extend([(row, length) for _, row, length in joined])
+
+    def accept(self, routes: torch.Tensor | None,
+               sampled: tuple[list[int], list[float], torch.Tensor], version: ModelVersion,
+               finished: Callable[[EngineSequence, int], None]) -> list[int]:
+        """Hand each row its sampled token (and routes (B, L, K)); `finished(seq, row)` for
+        each row that token finished; the indices of the others."""
+        tokens, chosen, dists = sampled
+        keep = []
+        for b, seq in enumerate(self.seqs):
+            if routes is not None:
+                seq.routes.append(routes[b:b + 1])
+            if not seq.accept(tokens[b], chosen[b], dists[b], version):
+                keep.append(b)
+            else:
+                finished(seq, b)
+        return keep
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep the rows `keep` (increasing), reordered so the batch's store moves fewest."""
+        keep = compact_order(keep)
+        self.seqs = [self.seqs[b] for b in keep]
+        self.kv.keep(keep)
+
+    def drop_cancelled(self, version: ModelVersion) -> None:
+        keep = [b for b, seq in enumerate(self.seqs) if not seq.cancelled]
+        if len(keep) == len(self.seqs):
+            return
+        for seq in self.seqs:
+            if seq.cancelled:
+                seq.finish("cancelled", version)
+        self.keep(keep)
+
+    def fail(self, exc: Exception) -> None:
+        """Every row gets `exc`; the batch is empty after."""
+        for seq in self.seqs:
+            seq.send(exc)
+        self.seqs, self.kv = [], PaddedKVBatch()

@@ -28,9 +28,7 @@ import logging
 import queue
 import random
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, MutableMapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +36,7 @@ import torch
 
 from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
-from serving.batching import (
-    PaddedKVBatch,
-    cache_kv,
-    compact_order,
-    joined_row_kv,
-    prefill_inputs,
-)
+from serving.batching import cache_kv, joined_row_kv, prefill_inputs
 from serving.config import default_threads, on_own_thread
 from serving.decode import Joining, decode, lean_decoder
 from serving.engine import (
@@ -56,24 +48,17 @@ from serving.engine import (
     ModelVersion,
     SwapRecord,
     SwapTiming,
+    check_request,
     collect,
 )
 from serving.grammar import Grammars
-from serving.hot_swap import swap
+from serving.hot_swap import BetweenSteps, Commit, swap
 from serving.onednn import OneDnnMode
-from serving.prefix_cache import PrefixCache, PrefixHit
+from serving.prefix_cache import PrefixCache, PrefixHit, repeat_waves
 from serving.sampling import sample_rows
-from serving.sequence import EngineSequence
+from serving.sequence import DecodingRows, EngineSequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Swap:
-    commit: Callable[[MutableMapping[str, torch.Tensor]], object]
-    version: ModelVersion
-    future: concurrent.futures.Future[SwapTiming]
-    requested_at: float
 
 
 class TorchEngine:
@@ -100,14 +85,10 @@ class TorchEngine:
                                   if i is not None)
         self._grammars = Grammars(tokenizer, int(model.config.vocab_size), self._eos_ids)
         self._inbox: queue.SimpleQueue[EngineSequence | None] = queue.SimpleQueue()
-        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
-        self._calls = queue.SimpleQueue()
-        self._rows: list[EngineSequence] = []
+        self._rows = DecodingRows()
         self._joining: list[EngineSequence] = []  # prefilled with the next step (lean step)
         self._deferred: list[EngineSequence] = []  # admitted, to join with a later step
-        self._swaps: queue.SimpleQueue[_Swap] = queue.SimpleQueue()
-        self._pending_swap: _Swap | None = None
-        self._batch = PaddedKVBatch()
+        self._between = BetweenSteps()
         self._decoder = lean_decoder(self.model, batch_invariant=batch_invariant,
                                      onednn=onednn)
         self._compile = compile and self._decoder is not None
@@ -158,16 +139,7 @@ class TorchEngine:
 
     # ---- asyncio side -------------------------------------------------------------------
     def _open(self, request: GenerationRequest, *, want_deltas: bool) -> EngineSequence:
-        if self._closed.is_set():
-            raise EngineClosedError("engine is closed")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise EngineError("prompt is empty")
-        if request.max_tokens < 1:
-            raise EngineError("max_tokens must be at least 1")
-        if len(prompt) + request.max_tokens > self.max_context:
-            raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) "
-                              f"exceeds the context ({self.max_context})")
+        check_request(request, self.max_context, closed=self._closed.is_set())
         seed = request.seed if request.seed is not None else self._rng.getrandbits(63)
         grammar = self._grammars.open(request.structural_tag) \
             if request.structural_tag is not None else None
@@ -185,24 +157,22 @@ class TorchEngine:
 
     def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Run `fn(model)` on the engine thread between two decode steps (e.g. a hot-swap)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._calls.put((fn, future))
+        future = self._between.call(fn)
         self._inbox.put(None)  # an idle engine thread waits on the inbox: wake it
         return future
 
     def set_version(self, version: ModelVersion) -> None:
         self._version = version
 
-    def swap_weights(self, commit: Callable[[MutableMapping[str, torch.Tensor]], object],
-                     version: ModelVersion) -> concurrent.futures.Future[SwapTiming]:
+    def swap_weights(self, commit: Commit, version: ModelVersion
+                     ) -> concurrent.futures.Future[SwapTiming]:
         """Run `commit(live_state_dict)` (verified writes, prepared by the caller) and serve
         `version` from then on.
 
         Admission pauses until the requests in flight finish, so no response mixes two
         versions; then the engine thread commits in place and admission resumes.
         """
-        future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
-        self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
+        future = self._between.swap(commit, version)
         self._inbox.put(None)  # wake an idle engine thread
         return future
 
@@ -231,52 +201,30 @@ class TorchEngine:
                    else contextlib.nullcontext())  # no top-k MoE routers: recorder None
         with torch.inference_mode(), capture as recorder:
             while not self._closed.is_set():
-                self._run_calls()
+                self._between.run_calls(self.model, self._weights_changed)
                 if not self._swap_when_drained():
                     self._admit(recorder)
-                self._drop_cancelled()
+                self._rows.drop_cancelled(self._version)
                 if self._joining:
                     self._mixed_step(recorder)
                 elif self._rows:
                     self._decode_step(recorder)
-        self._fail_active(EngineClosedError("engine closed"))
+        self._rows.fail(EngineClosedError("engine closed"))
         self._fail_waiting(EngineClosedError("engine closed"))
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, future = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                self._weights_changed()
-                try:
-                    future.set_result(fn(self.model))
-                except Exception as exc:  # handed to the caller through the future
-                    future.set_exception(exc)
 
     def _swap_when_drained(self) -> bool:
         """True while a swap waits for the rows in flight to finish (admission paused)."""
-        if self._pending_swap is None:
-            try:
-                self._pending_swap = self._swaps.get_nowait()
-            except queue.Empty:
-                return False
+        if not self._between.swap_waiting():
+            return False
         if self._rows:
             return True
-        swap, self._pending_swap = self._pending_swap, None
-        started = time.perf_counter()
-        try:
-            swap.commit(self.model.state_dict())
-        except Exception as exc:  # handed to the caller, who refuses the release
-            swap.future.set_exception(exc)
-            return False
-        self._weights_changed()
-        self._version = swap.version
-        done = time.perf_counter()
-        swap.future.set_result(SwapTiming(paused_s=done - swap.requested_at,
-                                          copy_s=done - started))
+        self._between.commit_swap(self.model.state_dict(), self._serve)
         return False
+
+    def _serve(self, version: ModelVersion) -> None:
+        """Swapped in: the weights are `version`'s from now on."""
+        self._weights_changed()
+        self._version = version
 
     def _admit(self, recorder: Any) -> None:
         """Take waiting requests up to `max_batch`. With the lean step, the first wave joins
@@ -304,18 +252,11 @@ class TorchEngine:
             self._prefill_wave(wave, recorder)
 
     def _waves(self, joining: list[EngineSequence]) -> list[list[EngineSequence]]:
-        """With a prefix cache, repeats of a prompt (a GRPO group's G copies) wait for the
-        first copy's prefill, then reuse all of it but the last token."""
+        """With a prefix cache, repeats of a prompt wait for its first copy's prefill."""
         if self.prefix_cache is None:
             return [joining]
-        first: list[EngineSequence] = []
-        repeats: list[EngineSequence] = []
-        seen: set[tuple[int, ...]] = set()
-        for seq in joining:
-            prompt = tuple(seq.request.prompt_token_ids)
-            (repeats if prompt in seen else first).append(seq)
-            seen.add(prompt)
-        return [wave for wave in (first, repeats) if wave]
+        return [[joining[i] for i in wave]
+                for wave in repeat_waves([seq.request.prompt_token_ids for seq in joining])]
 
     def _prefill_wave(self, wave: list[EngineSequence], recorder: Any) -> None:
         if len(wave) > 1 and not self._bitwise:
@@ -359,7 +300,7 @@ class TorchEngine:
             except Exception as exc:  # this request fails; the others join
                 log.exception("prefill failed")
                 seq.send(EngineError(f"prefill failed: {exc}"))
-        self._join(joining)
+        self._rows.join(joining)
 
     def _lookup(self, seqs: list[EngineSequence]) -> tuple[list[list[int]],
                                                             list[PrefixHit | None]]:
@@ -391,15 +332,15 @@ class TorchEngine:
         if self.on_step is not None:
             self.on_step(len(rows))
         try:
-            logits, routes = decode(self.model, self._decoder, self._batch,
-                                    [s.tokens[-1] for s in rows], recorder)  # routes (B, L, K)
+            logits, routes = decode(self.model, self._decoder, rows.kv,
+                                    [s.tokens[-1] for s in rows.seqs], recorder)  # (B, L, K)
         except Exception as exc:  # every row in the step fails; the engine goes on
             log.exception("decode step failed")
-            self._fail_active(EngineError(f"decode step failed: {exc}"))
+            rows.fail(EngineError(f"decode step failed: {exc}"))
             return
-        self._batch.advance()
-        tokens, chosen, dists = sample_rows(logits, [seq.sampling for seq in rows])
-        self._keep(self._accept_rows(rows, routes, (tokens, chosen, dists)))
+        rows.kv.advance()
+        sampled = sample_rows(logits, [seq.sampling for seq in rows.seqs])
+        rows.keep(rows.accept(routes, sampled, self._version, self._cache_finished))
 
     def _mixed_step(self, recorder: Any) -> None:
         """A decode step of the batch's rows that also prefills the joining requests (the
@@ -410,10 +351,10 @@ class TorchEngine:
         prompts, hits = self._lookup(joining)
         try:
             step = self._decoder.mixed(  # type: ignore[union-attr]
-                [s.tokens[-1] for s in rows], self._batch,
+                [s.tokens[-1] for s in rows.seqs], rows.kv,
                 [Joining(p[hit.length:], hit.kv) if hit is not None else Joining(p)
                  for p, hit in zip(prompts, hits, strict=True)])
-            sampled = sample_rows(step.logits, [seq.sampling for seq in rows + joining])
+            sampled = sample_rows(step.logits, [seq.sampling for seq in rows.seqs + joining])
         except Exception:
             log.exception("a step with prefills failed; prefilling them on their own")
             self._prefill_wave(joining, recorder)
@@ -421,10 +362,10 @@ class TorchEngine:
                 self._decode_step(recorder)
             return
         if rows:
-            self._batch.advance()
+            rows.kv.advance()
             if self.on_step is not None:
                 self.on_step(len(rows))
-        keep = self._accept_rows(rows, step.routes, sampled)
+        keep = rows.accept(step.routes, sampled, self._version, self._cache_finished)
         tokens, chosen, dists = sampled
         joined: list[tuple[EngineSequence, Any, int]] = []
         for i, (seq, prompt, hit) in enumerate(zip(joining, prompts, hits, strict=True)):
@@ -432,34 +373,8 @@ class TorchEngine:
             if self._first_token(seq, prompt, hit, step.joined_routes[i], row,
                                  (tokens[b], chosen[b], dists[b])):
                 joined.append((seq, row, len(prompt)))
-        self._keep(keep)
-        self._join(joined)
-
-    def _join(self, joined: list[tuple[EngineSequence, Any, int]]) -> None:
-        """Prefilled requests join the batch: (request, its keys/values, prompt length)."""
-        self._rows += [seq for seq, _, _ in joined]
-        self._batch.extend([(row, length) for _, row, length in joined])
-
-    def _accept_rows(self, rows: list[EngineSequence], routes: torch.Tensor | None,
-                     sampled: tuple[list[int], list[float], torch.Tensor]) -> list[int]:
-        """Hand each of the batch's rows its sampled token (and routes (B, L, K)); the
-        indices of those not finished by it. Finished rows' keys/values are cached."""
-        tokens, chosen, dists = sampled
-        keep = []
-        for b, seq in enumerate(rows):
-            if routes is not None:
-                seq.routes.append(routes[b:b + 1])
-            if not seq.accept(tokens[b], chosen[b], dists[b], self._version):
-                keep.append(b)
-            else:
-                self._cache_finished(seq, b)
-        return keep
-
-    def _keep(self, keep: list[int]) -> None:
-        """Keep the rows `keep` (increasing), reordered so the batch's store moves fewest."""
-        keep = compact_order(keep)
-        self._rows = [self._rows[b] for b in keep]
-        self._batch.keep(keep)
+        rows.keep(keep)
+        rows.join(joined)
 
     def _cache_finished(self, seq: EngineSequence, row: int) -> None:
         """Keep a finished row's keys/values: its prompt and every sampled token but the last
@@ -467,23 +382,8 @@ class TorchEngine:
         if self.prefix_cache is None or seq.weights_epoch != self._weights_epoch:
             return
         fed = list(seq.request.prompt_token_ids) + seq.tokens[:-1]
-        self.prefix_cache.insert(fed, self._batch.row_kv(row),
+        self.prefix_cache.insert(fed, self._rows.kv.row_kv(row),
                                  torch.cat(seq.routes) if seq.routes else None)
-
-    def _drop_cancelled(self) -> None:
-        keep = [b for b, seq in enumerate(self._rows) if not seq.cancelled]
-        if len(keep) == len(self._rows):
-            return
-        for seq in self._rows:
-            if seq.cancelled:
-                seq.finish("cancelled", self._version)
-        self._keep(keep)
-
-    def _fail_active(self, exc: Exception) -> None:
-        for seq in self._rows:
-            seq.send(exc)
-        self._rows = []
-        self._batch = PaddedKVBatch()
 
     def _fail_waiting(self, exc: Exception) -> None:
         for admitted in self._joining + self._deferred:

@@ -49,7 +49,6 @@ import numpy as np
 
 from kernels.delta.store import ArtifactStore
 from serving.engine import (
-    EngineClosedError,
     EngineError,
     FinishReason,
     GenerationDelta,
@@ -57,6 +56,7 @@ from serving.engine import (
     GenerationResult,
     ModelVersion,
     TopLogprobs,
+    check_request,
     collect,
 )
 from serving.hot_swap import SwapRecord
@@ -220,16 +220,6 @@ class VllmEngine:
                               f"{self._version.sha256}")
         await self._llm.update_weight_version(version_label(self._version))
 
-    def _check(self, request: GenerationRequest) -> None:
-        if self._closed:
-            raise EngineClosedError("engine is closed")
-        if not request.prompt_token_ids:
-            raise EngineError("prompt is empty")
-        if len(request.prompt_token_ids) + request.max_tokens > self._max_context:
-            raise EngineError(f"prompt ({len(request.prompt_token_ids)}) + max_tokens "
-                              f"({request.max_tokens}) exceeds the context "
-                              f"({self._max_context})")
-
     def _sampled_by(self, spans: Sequence[Any] | None) -> ModelVersion:
         """The version whose weights sampled a reply, from vLLM's weight-version spans."""
         labels = {span.version for span in spans or ()}
@@ -240,7 +230,7 @@ class VllmEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas from vLLM; closing the iterator aborts the request in vLLM."""
-        self._check(request)
+        check_request(request, self._max_context, closed=self._closed)
         self._bind(asyncio.get_running_loop())
         seed = request.seed if request.seed is not None else self._rng.getrandbits(31)
         request_id = f"fw-{uuid.uuid4().hex}"
