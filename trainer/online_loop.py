@@ -26,7 +26,7 @@ from trainer.distributed import World
 from trainer.online import OnlineTrainer
 from trainer.online_config import OnlineTrainerSettings
 from trainer.release import ReleaseSink
-from trainer.trackers import Trackers, build_trackers
+from trainer.trackers import TrackerSettings, Trackers, build_trackers
 
 log = logging.getLogger(__name__)
 
@@ -251,13 +251,41 @@ class OnlineLoop:
                              metrics=self.trainer.last_metrics)
 
 
-def run_online(settings: Any, *, world: World | None = None,
+class OnlineProcessSettings(Protocol):
+    """What `run_online` reads of the process's settings (`app.settings.Settings` is one; the
+    trainer may not import the app, so the edge is typed by this shape)."""
+
+    @property
+    def online(self) -> OnlineTrainerSettings: ...
+
+    @property
+    def trackers(self) -> TrackerSettings: ...
+
+    @property
+    def kafka_bootstrap(self) -> str | None: ...
+
+    @property
+    def data_dir(self) -> Path: ...
+
+    @property
+    def batch_invariant(self) -> bool: ...
+
+    @property
+    def resolved_model_dir(self) -> Path: ...
+
+    @property
+    def resolved_candidate_path(self) -> Path: ...
+
+    def kafka_config(self, bootstrap: str) -> KafkaConfig: ...
+
+
+def run_online(settings: OnlineProcessSettings, *, world: World | None = None,
                release_sink: ReleaseSink | None = None, control: TrainerControl | None = None,
                stop: threading.Event | None = None,
                on_step: Callable[[dict[str, float]], None] | None = None) -> OnlineReport:
     """The `flywheel train-online` process: restore, consume, train, checkpoint, release.
     On a rank other than the leader of `world`: restore, then follow the leader's phases."""
-    cfg: OnlineTrainerSettings = settings.online
+    cfg = settings.online
     if settings.kafka_bootstrap is None:
         raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
     root = cfg.resolved_checkpoint_dir(settings.data_dir)
