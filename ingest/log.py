@@ -358,7 +358,9 @@ class TopicReader(Generic[E]):
     No group join (nothing to wait for after a restart, no member steals another's records),
     so each reader sees the whole topic. It starts at `start`: "beginning" (a follower that
     rebuilds its state from the topic: a replica's releases, the console's tally), "end"
-    (only what comes after now: the bootstrap's rollout groups) or "committed" (the offsets
+    (what comes after now: the bootstrap's rollout groups; Tansu reports the end of a
+    partition as its last batch's first offset + 1, so there the rest of that batch too) or
+    "committed" (the offsets
     `group_id` committed, else the beginning); `seek` moves it to stored offsets (the online
     trainer's checkpoint). With `group_id`, `commit_offsets` records its progress under that
     group, which lag readers (ingest/offsets.py) see, without joining it. A record that does
