@@ -39,8 +39,7 @@ from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
-# (docs/bootstrap.md): a start with room to learn on both measures. One demo at 0.4 and one at
-# 0.3 so far (docs/demo.md); the online gain varied more between them than the start did
+# (docs/bootstrap.md): a start with room to learn on both measures (docs/demo.md has the runs)
 MIDTRAIN_UNTIL = 0.3
 
 
