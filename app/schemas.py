@@ -6,46 +6,51 @@ The OpenAI-compatible inference models live in `app/openai_schemas.py`.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic.config import JsonDict
+from pydantic import BaseModel, Field, model_validator
 
-from ingest.events import FeedbackReceived, utcnow
+from ingest.events import (
+    FeedbackKind,
+    FeedbackReceived,
+    check_feedback_subject,
+    check_feedback_value,
+    utcnow,
+)
 
-# a sender's value for these is ignored, like an unknown field's
-_SET_BY_THE_SERVER = ("event", "schema_version", "received_at")
-
-
-def _document_inputs(schema: JsonDict) -> None:
-    """`FeedbackRequest`'s JSON schema: the fields a sender gives, `occurred_at` nullable."""
-    properties = schema["properties"]
-    assert isinstance(properties, dict)
-    for name in _SET_BY_THE_SERVER:
-        del properties[name]
-    properties["occurred_at"] = {"anyOf": [{"type": "string", "format": "date-time"},
-                                           {"type": "null"}],
-                                 "default": None, "title": "Occurred At"}
+_Id = Annotated[str, Field(min_length=1, max_length=128)]
 
 
-# The body is validated straight into the wire event (ingest/events.py), once, by its own rules.
-class FeedbackRequest(FeedbackReceived):
+class FeedbackRequest(BaseModel):
     """What the product sends about one generation (`generation_id`), or its verdict on a
     whole agent session (`session_id`: every generation of it): exactly one of the two.
-    `occurred_at` null or absent means when received."""
+    `occurred_at` null or absent means when received. Unknown fields are ignored.
 
-    model_config = ConfigDict(json_schema_extra=_document_inputs)
+    The public HTTP contract, apart from the Kafka wire event it becomes (`event()`,
+    `ingest.events.FeedbackReceived`), so that either can change without the other; the two
+    share their rules (`check_feedback_subject`, `check_feedback_value`)."""
 
-    @field_validator(*_SET_BY_THE_SERVER, mode="before")
-    @classmethod
-    def _server_value(cls, _: Any, info: ValidationInfo) -> Any:
-        assert info.field_name is not None
-        return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+    event_id: _Id
+    generation_id: _Id | None = None
+    session_id: _Id | None = None
+    kind: FeedbackKind
+    value: float | None = Field(default=None, strict=True, allow_inf_nan=False)  # a number
+    occurred_at: datetime | None = None
+    source: str = Field(default="api", max_length=64)
 
-    @field_validator("occurred_at", mode="before")
-    @classmethod
-    def _null_is_now(cls, value: Any) -> Any:
-        return utcnow() if value is None else value
+    @model_validator(mode="after")
+    def _rules(self) -> FeedbackRequest:
+        check_feedback_subject(self.generation_id, self.session_id)
+        check_feedback_value(self.kind, self.value)
+        return self
+
+    def event(self) -> FeedbackReceived:
+        """The wire event, received now (valid by the same rules, so not validated again)."""
+        now = utcnow()
+        return FeedbackReceived.model_construct(
+            event_id=self.event_id, generation_id=self.generation_id,
+            session_id=self.session_id, kind=self.kind, value=self.value,
+            occurred_at=self.occurred_at or now, received_at=now, source=self.source)
 
 
 class FeedbackAccepted(BaseModel):

@@ -145,6 +145,20 @@ FeedbackKind = Literal["accept", "reject", "thumbs_up", "thumbs_down", "edit_kep
                        "followup_dissatisfied", "copied", "regenerated"]
 
 
+def check_feedback_subject(generation_id: str | None, session_id: str | None) -> None:
+    """Feedback is about one generation or a whole session: exactly one (ValueError)."""
+    if (generation_id is None) == (session_id is None):
+        given = "both" if generation_id is not None else "neither"
+        raise ValueError("give exactly one of generation_id (feedback about one generation) "
+                         f"and session_id (a verdict on a whole session), not {given}")
+
+
+def check_feedback_value(kind: FeedbackKind, value: float | None) -> None:
+    """`edit_kept` carries the kept fraction in [0, 1] (ValueError)."""
+    if kind == "edit_kept" and (value is None or not 0.0 <= value <= 1.0):
+        raise ValueError("edit_kept needs value: the kept fraction in [0, 1]")
+
+
 class FeedbackReceived(BaseModel):
     """A user's judgment, as the product reported it: of one generation (`generation_id`), or
     a verdict on one whole agent session (`session_id`, every generation that carries it)."""
@@ -162,19 +176,14 @@ class FeedbackReceived(BaseModel):
 
     @model_validator(mode="after")
     def _one_subject(self) -> FeedbackReceived:
-        if (self.generation_id is None) == (self.session_id is None):
-            given = "both" if self.generation_id is not None else "neither"
-            raise ValueError("give exactly one of generation_id (feedback about one "
-                             f"generation) and session_id (a verdict on a whole session), "
-                             f"not {given}")
+        check_feedback_subject(self.generation_id, self.session_id)
         if self.schema_version == 1 and self.session_id is not None:
             raise ValueError("schema_version 1 has no session_id: send version 2")
         return self
 
     @model_validator(mode="after")
     def _value_fits_kind(self) -> FeedbackReceived:
-        if self.kind == "edit_kept" and (self.value is None or not 0.0 <= self.value <= 1.0):
-            raise ValueError("edit_kept needs value: the kept fraction in [0, 1]")
+        check_feedback_value(self.kind, self.value)
         return self
 
     @property

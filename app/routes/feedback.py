@@ -3,7 +3,7 @@
 `SignedRoute` checks the raw body against `Flywheel-Signature` (ingest/signing.py) before
 FastAPI reads it: a missing, unmatched or stale signature is 401, the body never parsed.
 FastAPI then validates it into `FeedbackRequest` (or `FeedbackBatchRequest`, app/schemas.py),
-the wire event itself, so each event is validated once: a bad one is 422 naming the field
+which becomes the wire event without a second validation: a bad one is 422 naming the field
 (one naming both a generation and a session, or neither, too). A body over `max_body_bytes`
 (cut as it streams in, app/guard.py) or more events than `feedback_batch_max` is 413; 503
 while the broker or the receipt ledger is unavailable; errors in the API's one shape.
@@ -36,6 +36,7 @@ from app.schemas import (
 )
 from app.services import Services
 from app.settings import Settings
+from ingest.events import FeedbackReceived
 from ingest.signing import SIGNATURE_HEADER, SignatureError, verify
 
 
@@ -103,7 +104,7 @@ _SIGNED = {"parameters": [{
 @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED, responses=_ERRORS,
              response_model=FeedbackAccepted, openapi_extra=_SIGNED)
 async def post_feedback(event: FeedbackRequest, services: ServicesDep) -> Response:
-    [duplicate] = await accept(services, [event])
+    [duplicate] = await accept(services, [event.event()])
     return _accepted(FeedbackAccepted(event_id=event.event_id, duplicate=duplicate))
 
 
@@ -115,7 +116,7 @@ async def post_feedback_batch(batch: FeedbackBatchRequest, services: ServicesDep
         raise ApiError(status.HTTP_413_CONTENT_TOO_LARGE,
                        f"batch of {len(events)} events exceeds {limit}", param="events",
                        code="batch_too_large")
-    duplicates = await accept(services, events)
+    duplicates = await accept(services, [e.event() for e in events])
     repeated = sum(duplicates)
     return _accepted(FeedbackBatchAccepted(
         accepted=len(events) - repeated, duplicates=repeated,
@@ -131,7 +132,7 @@ def _accepted(reply: FeedbackAccepted | FeedbackBatchAccepted) -> Response:
                     media_type="application/json")
 
 
-async def accept(services: Services, events: Sequence[FeedbackRequest]) -> list[bool]:
+async def accept(services: Services, events: Sequence[FeedbackReceived]) -> list[bool]:
     """Hand `events` to the intake and count them; one duplicate flag per event."""
     try:
         duplicates = await services.feedback_intake().accept(events)
