@@ -132,7 +132,9 @@ class EmbeddedWorker:
         from celery.worker import state
 
         self.beat.stop()
-        state.should_stop = 0  # what a worker's SIGTERM handler sets: finish, then exit
+        # what a worker's SIGTERM handler sets: finish, then exit (celery 5 has no public call
+        # that stops an in-process worker from another thread; tests/test_library_seams.py)
+        state.should_stop = 0
         self.thread.join(timeout=timeout_s)
         state.should_stop = None  # a later embedded worker in this process must not stop
         if self.thread.is_alive():

@@ -21,6 +21,8 @@ from kombu.utils.json import dumps
 
 
 class AtomicChannel(filesystem.Channel):
+    # `_put` is how kombu's virtual transports enqueue (kombu 5 has no public hook for how the
+    # filesystem transport writes a file); tests/test_library_seams.py fails if it moves
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         # A leading dot: kombu's reader takes only names whose text after the first dot is

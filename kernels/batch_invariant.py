@@ -188,15 +188,20 @@ def enable_batch_invariant(model: nn.Module) -> nn.Module:
     if "cuda" in devices:
         triton_kernels()  # raises BatchInvariantUnsupported without triton
     _register()
-    config: Any = model.config
-    state = _SwitchState(config._attn_implementation, config._experts_implementation)
+    hf: Any = model
+    # transformers 5.19 has no getter for the attention implementation to restore later
+    # (set_attn_implementation has none; experts have get_experts_implementation):
+    # tests/kernels/test_batch_invariant.py::test_switch_restores_stock_forward reads it too
+    state = _SwitchState(hf.config._attn_implementation, hf.get_experts_implementation())
     for module in model.modules():
         patch = _patch_for(module)
         if patch is not None:
+            # an instance's forward replaced: transformers has no public way to swap the
+            # computation of Linear/RMSNorm/SiLU/router modules (its kernel hub downloads)
             module.forward = MethodType(patch, module)  # type: ignore[method-assign]
             state.patched.append(module)
-    config._attn_implementation = IMPLEMENTATION
-    config._experts_implementation = IMPLEMENTATION
+    hf.set_attn_implementation(IMPLEMENTATION)
+    hf.set_experts_implementation(IMPLEMENTATION)
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -208,9 +213,9 @@ def disable_batch_invariant(model: nn.Module) -> nn.Module:
         return model
     for module in state.patched:
         del module.forward
-    config: Any = model.config
-    config._attn_implementation = state.attn_implementation
-    config._experts_implementation = state.experts_implementation
+    hf: Any = model
+    hf.set_attn_implementation(state.attn_implementation)
+    hf.set_experts_implementation(state.experts_implementation)
     setattr(model, _STATE_ATTR, None)
     return model
 

@@ -130,6 +130,7 @@ class FlywheelWorkerExtension:
 
         if not current_platform.is_cpu():
             return
+        # vLLM internals (0.32 has no public repack): tests/test_library_seams.py reads them
         for module in self.model_runner.model.modules():  # type: ignore[attr-defined]
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             if kernel is not None:

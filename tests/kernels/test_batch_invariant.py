@@ -265,9 +265,13 @@ def test_switch_restores_stock_forward(device: str) -> None:
         assert torch.equal(model(input_ids=ids).logits, stock)
     torch.testing.assert_close(on, stock, rtol=1e-4, atol=1e-5)
     assert set(model.state_dict()) == keys
+    experts = model.get_experts_implementation()
     enable_batch_invariant(model)
+    assert model.config._attn_implementation == "flywheel_batch_invariant"
     disable_batch_invariant(model)
+    # the private field enable_batch_invariant reads to restore (no public getter in 5.19)
     assert model.config._attn_implementation == "sdpa"
+    assert model.get_experts_implementation() == experts
 
 
 def test_gradients_through_the_kernels_match_the_stock_model() -> None:

@@ -27,6 +27,7 @@ from trainer.release import (
 )
 from trainer.release_config import HeldOutLossEval
 from trainer.release_weights import (
+    ReleaseError,
     artifact_store,
     head_weights,
     load_candidate,
@@ -60,6 +61,20 @@ def test_candidate_round_trips_with_tied_weights(tmp_path: Path, model_dir: Path
     new = make_checkpoint(model_dir, tmp_path / "c.safetensors", scale=1e-3, seed=1)
     loaded = load_candidate(tmp_path / "c.safetensors", model_dir)
     assert state_dict_sha256(loaded) == state_dict_sha256(new)
+    # a file without the tied LM head loads the same (the model ties it to the embeddings);
+    # one without an untied tensor is refused, naming it
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "c.safetensors"))
+    save_file({n: t for n, t in weights.items() if n != "lm_head.weight"},
+              str(tmp_path / "headless.safetensors"))
+    assert state_dict_sha256(load_candidate(tmp_path / "headless.safetensors", model_dir)) \
+        == state_dict_sha256(new)
+    dropped = next(n for n in weights if n.endswith("norm.weight"))
+    save_file({n: t for n, t in weights.items() if n != dropped},
+              str(tmp_path / "short.safetensors"))
+    with pytest.raises(ReleaseError, match="lacks tensors"):
+        load_candidate(tmp_path / "short.safetensors", model_dir)
 
 
 def test_publish_gate_snapshot_rollback(ctx: ReleaseContext, tmp_path: Path,
