@@ -1,5 +1,5 @@
 """The Celery app: release and sandbox jobs as Celery tasks, each a thin wrapper (JSON in and
-out) around trainer/release.py or simulate/sandbox.py.
+out) around trainer/release/pipeline.py or simulate/sandbox.py.
 
 Embedded profile: a `filesystem://` broker and a `file://` result backend in folders under
 the data dir, so a worker needs no server, and the API process runs that worker itself
@@ -69,7 +69,7 @@ def make_celery(settings: Settings) -> Celery:
 
 
 def register_tasks(app: Celery, settings: Settings) -> None:
-    """The tasks, bound to `app` and `settings`. trainer/release.py (and torch with it) is
+    """The tasks, bound to `app` and `settings`. trainer/release/pipeline.py (and torch with it) is
     imported by the first release or rollback a worker runs: a sandbox worker never does."""
     # shared=False: each app's tasks close over that app's settings; a shared task would be
     # registered on every later app too and run with the first app's settings.
@@ -77,7 +77,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     @app.task(name=RELEASE_TASK, shared=False)
     def build_release_task(version: int | None = None, candidate: str | None = None,
                            requested_by: str = "system", reason: str = "") -> dict[str, Any]:
-        from trainer.release import build_release, open_release_context
+        from trainer.release.pipeline import build_release, open_release_context
 
         with open_release_context(settings.release_config()) as ctx:
             return build_release(ctx, candidate=Path(candidate) if candidate else None,

@@ -162,9 +162,9 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
     import json
 
     from ingest.config import KafkaConfig
-    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import run_bootstrap
     from trainer.distributed import join_world, leave_world
-    from trainer.offline import run_bootstrap
     from trainer.trackers import TrackerSettings
 
     # the launcher stops the ranks with SIGTERM when one fails: the leader's broker and

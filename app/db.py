@@ -3,8 +3,8 @@
 Tables here are the API's memory that must survive restarts: feedback receipts (the
 webhook's idempotency record), the model versions a process has served, and which replica
 serves which version now. The release
-history is the release pipeline's table (trainer/release.py), the trainer's control queue
-trainer/online_control.py's.
+history is the release pipeline's table (trainer/release/pipeline.py), the trainer's control queue
+trainer/online/control.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`flywheel demo`: the whole flywheel on one machine, on the real task, measured live.
 
 1. Build the base model (`flywheel init-model`) and bootstrap it: mid-training, then a short
-   GRPO run (trainer/offline.py). A bootstrapped model already under the data dir is reused
+   GRPO run (trainer/bootstrap/run.py). A bootstrapped model already under the data dir is reused
    (the demo says so).
 2. Serve it as version 0: the stack (broker, API with the torch engine and its release
    follower), the join (sessions x feedback -> experiences), the online trainer with the
@@ -88,8 +88,8 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
 def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]:
     """The bootstrap's final model under the data dir, built unless it is there already;
     returns it and the bootstrap's summary (None when reused)."""
+    from trainer.bootstrap.run import run_bootstrap
     from trainer.init_model import init_model
-    from trainer.offline import run_bootstrap
 
     run_dir = settings.data_dir / "bootstrap"
     model = run_dir / "model"

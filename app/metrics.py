@@ -57,7 +57,7 @@ class _LiveState(Collector):
         yield lag
 
     def _trainer(self) -> Iterator[Metric]:
-        from trainer.online_control import ensure_control_tables, read_status
+        from trainer.online.control import ensure_control_tables, read_status
 
         row = read_status(ensure_control_tables(self.trainer_db))
         if row is None:  # no trainer has reported yet

@@ -32,15 +32,15 @@ def train_online_rank(settings_json: str, release: bool) -> int:
     """One rank of `flywheel train-online` (the whole of it in the one-process world): the
     leader takes the trainer control and the release pipeline, the others follow it."""
     from trainer.distributed import join_world, leave_world
-    from trainer.online_loop import run_online
+    from trainer.online.loop import run_online
 
     settings = Settings.model_validate_json(settings_json)
     world = join_world(timeout_s=settings.online.collective_timeout_s)
     stop = stop_on_signals()
     control, sink = None, None
     if world.leader:
-        from trainer.online_control import SqlTrainerControl, open_control_db
-        from trainer.release import PipelineReleaseSink
+        from trainer.online.control import SqlTrainerControl, open_control_db
+        from trainer.release.pipeline import PipelineReleaseSink
 
         control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
         sink = PipelineReleaseSink(settings.release_config()) if release else None

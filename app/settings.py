@@ -23,10 +23,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicSettings
 from serving.config import EngineSettings
 from simulate.scavenge import ScavengeSettings
-from trainer.bootstrap_config import BootstrapSettings
+from trainer.bootstrap.config import BootstrapSettings
 from trainer.config import TinyMoeSettings
-from trainer.online_config import OnlineTrainerSettings
-from trainer.release_config import ReleaseConfig, ReleaseSettings
+from trainer.online.config import OnlineTrainerSettings
+from trainer.release.config import ReleaseConfig, ReleaseSettings
 from trainer.trackers import TrackerSettings
 
 Profile = Literal["embedded", "production"]
@@ -167,7 +167,7 @@ class Settings(BaseSettings):
                            linger_ms=self.kafka.linger_ms)
 
     def release_config(self) -> ReleaseConfig:
-        """What the release pipeline (trainer/release.py) needs; it announces on Kafka."""
+        """What the release pipeline (trainer/release/pipeline.py) needs; it announces on Kafka."""
         if self.kafka_bootstrap is None:
             raise RuntimeError("settings.kafka_bootstrap is unset: releases need Kafka")
         return ReleaseConfig(release=self.release, model_dir=self.resolved_model_dir,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from trainer.bootstrap_config import BootstrapSettings
+from trainer.bootstrap.config import BootstrapSettings
+from trainer.bootstrap.midtrain import MidTrainedStart, midtrained_start
 from trainer.config import TinyMoeSettings
-from trainer.midtrain import MidTrainedStart, midtrained_start
 
 
 def bench_start(cfg: BootstrapSettings, model: TinyMoeSettings, model_dir: Path | None, *,

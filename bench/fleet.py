@@ -32,9 +32,9 @@ from app.settings import Settings  # noqa: E402
 def inprocess(policy: Any, cfg: Any, train: list[Any], seconds: float) -> dict[str, float]:
     """Groups on an engine in this process, then a step, then the weights copied in."""
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.local_engine import build_harness, load_weights, make_engine
-    from trainer.offline import OfflineTrainer
-    from trainer.task_sampler import TaskSampler
+    from trainer.bootstrap.local_engine import build_harness, load_weights, make_engine
+    from trainer.bootstrap.run import OfflineTrainer
+    from trainer.bootstrap.task_sampler import TaskSampler
 
     trainer = OfflineTrainer.from_settings(policy, cfg)
     engine = make_engine(policy, cfg, seed=cfg.seed)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import bench_start
     from simulate.rollouts import SandboxCache
-    from trainer.offline import run_grpo
+    from trainer.bootstrap.run import run_grpo
 
     cfg = settings.bootstrap.model_copy(update={"time_budget_s": args.seconds})
     start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)

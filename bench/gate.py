@@ -11,7 +11,7 @@ was caught. Each of `--trials` trials evaluates, with the release's held-out sui
 (`FLYWHEEL_RELEASE__EVAL__*`: the tasks, samples per task, temperature), the served model
 twice and the damaged copy once, every evaluation with sampling seeds of its own (`--seed`
 shifts them all: runs with different seeds are independent), and asks the gate
-(`trainer.eval_gate.gate`):
+(`trainer.release.eval_gate.gate`):
 - the served model against itself as the candidate: a refusal is a false refusal;
 - the damaged copy against the served model: a refusal is right.
 The release pipeline samples both versions with the same seeds, which only makes their
@@ -81,8 +81,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.eval_gate import HeldOutTasksSuite, Scores, gate
-    from trainer.release_config import HeldOutTasksEval
+    from trainer.release.config import HeldOutTasksEval
+    from trainer.release.eval_gate import HeldOutTasksSuite, Scores, gate
 
     started = time.monotonic()
     settings = Settings()

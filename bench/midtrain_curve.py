@@ -31,8 +31,8 @@ from app.settings import Settings  # noqa: E402
 from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
-from trainer.bootstrap_config import BootstrapSettings  # noqa: E402
-from trainer.midtrain import QualityStop  # noqa: E402
+from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
+from trainer.bootstrap.midtrain import QualityStop  # noqa: E402
 from trainer.policy import Policy, Rows  # noqa: E402
 
 
@@ -47,8 +47,8 @@ class Curve(QualityStop):
     cache: SandboxCache = dataclasses.field(default_factory=SandboxCache)
 
     def score(self, policy: Policy, rows: Rows) -> float:
-        from trainer.local_engine import make_engine
-        from trainer.offline import evaluate
+        from trainer.bootstrap.local_engine import make_engine
+        from trainer.bootstrap.run import evaluate
 
         step = (len(self.records) + 1) * self.every
         if step < self.start:
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from simulate.tasks import build_task_source
+    from trainer.bootstrap.midtrain import corpus_tasks, midtrain_on, quality_stop
     from trainer.init_model import init_model
-    from trainer.midtrain import corpus_tasks, midtrain_on, quality_stop
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=800)

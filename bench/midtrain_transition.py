@@ -27,14 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
-from trainer.bootstrap_config import BootstrapSettings  # noqa: E402
+from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
 
 
 def steps_to_target(cfg: BootstrapSettings, base: Path) -> int | None:
     """Mid-train a fresh copy of `base` under `cfg` until its quality stop; the steps it took,
     or None when `cfg.midtrain_steps` ran out first."""
     from simulate.tasks import build_task_source
-    from trainer.midtrain import corpus_tasks, midtrain_on, quality_stop
+    from trainer.bootstrap.midtrain import corpus_tasks, midtrain_on, quality_stop
     from trainer.policy import Policy
 
     source = build_task_source(cfg.tasks)

@@ -66,7 +66,7 @@ def recompute(model_dir: Path, batch: list[list[int]],
               samples: list[tuple[list[int], list[float]]]) -> dict[str, float]:
     """The trainer's logprobs of each sample (right-padded batches of 8, shuffled)."""
     from kernels.bi_ops import token_logprobs
-    from trainer.release_weights import load_model
+    from trainer.release.weights import load_model
 
     model = load_model(model_dir)
     order = list(range(len(batch)))

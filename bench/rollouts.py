@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import bench_start
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.local_engine import build_harness, make_engine
+    from trainer.bootstrap.local_engine import build_harness, make_engine
 
     cfg = settings.bootstrap
     start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)

@@ -89,7 +89,7 @@ def swap_pauses(url: str, model_dir: Path, data_dir: Path, releases: int = 2) ->
     and return each hot-swap's admission pause (s) as the replica reports it."""
     import torch
 
-    from trainer.release_weights import load_model, save_weights
+    from trainer.release.weights import load_model, save_weights
 
     admin = {"Authorization": f"Bearer {Settings().admin_token.get_secret_value()}"}
     weights = load_model(model_dir).state_dict()

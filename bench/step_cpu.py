@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.common import bench_start
     from simulate.rollouts import SandboxCache, rollout_group
-    from trainer.local_engine import build_harness, make_engine
-    from trainer.offline import OfflineTrainer
+    from trainer.bootstrap.local_engine import build_harness, make_engine
+    from trainer.bootstrap.run import OfflineTrainer
 
     cfg = settings.bootstrap
     start = bench_start(cfg, settings.model, args.model_dir, steps=args.midtrain_steps)

@@ -91,8 +91,8 @@ def run_rank(model_dir: str, batches: list[list[Any]], root: str, threads: int,
     import torch
 
     from trainer.distributed import World, join_world, leave_world
-    from trainer.online import OnlineTrainer
-    from trainer.online_config import OnlineTrainerSettings
+    from trainer.online.config import OnlineTrainerSettings
+    from trainer.online.trainer import OnlineTrainer
 
     world = join_world(timeout_s=600, cpu=device == "cpu")
     if not world.sharded:  # the one-process baseline, on the same device as the ranks

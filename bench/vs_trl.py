@@ -15,7 +15,7 @@ reward in the same sandbox. So the common units are:
   episodes that reached an optimizer step (a TRL sample is one turn, a Flywheel episode
   several); samples/s is printed beside it;
 - reward: each final policy's expected reward on one fixed list of train tasks, measured the
-  same way for both (`trainer.offline.mean_reward`: the product's multi-turn episode, seeded,
+  same way for both (`trainer.bootstrap.run.mean_reward`: the product's multi-turn episode, seeded,
   at the training temperature), and its greedy held-out pass@1. The training curves (reward
   per step against wall time) are printed and plotted, but their rewards are each side's own
   episode.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
-from trainer.bootstrap_config import BootstrapSettings  # noqa: E402
+from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
 
 TRL_MISSING = ("bench/vs_trl.py needs TRL, which the default install leaves out: "
                "pip install -e '.[bench]'  (or: make bench)")
@@ -206,8 +206,8 @@ def final_policy(policy: Any, cfg: BootstrapSettings, tasks: list[Task],
                  held_out: list[Task]) -> tuple[float, float]:
     """(expected multi-turn episode reward on `tasks`, greedy held-out pass@1) of a policy."""
     from simulate.rollouts import SandboxCache, pass_rate
-    from trainer.local_engine import make_engine
-    from trainer.offline import evaluate, mean_reward
+    from trainer.bootstrap.local_engine import make_engine
+    from trainer.bootstrap.run import evaluate, mean_reward
 
     cache = SandboxCache()
     reward = mean_reward(policy, cfg, tasks, samples=REWARD_SAMPLES, cache=cache)
@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from simulate.rollouts import SandboxCache
+    from trainer.bootstrap.midtrain import midtrained_start
+    from trainer.bootstrap.run import run_grpo
     from trainer.init_model import init_model
-    from trainer.midtrain import midtrained_start
-    from trainer.offline import run_grpo
 
     workdir = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     model_dir = args.model_dir or init_model(settings.model, workdir / "base")

@@ -169,9 +169,10 @@ class FleetWorker:
             self.kafka, group_id=self.options.group_id or f"{jobs}-workers",
             types={jobs: RolloutJob}, dlq=self._producer, name=self.options.worker_id,
             max_poll_records=self.options.groups_in_flight, fetch_max_wait_ms=50,
-            # the trainer spreads a step's jobs over consecutive partitions (trainer/fleet.py):
-            # dealt out in turn, they split evenly; by range, one of two members would hold
-            # partitions 0-2 of 6 and make 3 of a step's 4 jobs while the other made 1
+            # the trainer spreads a step's jobs over consecutive partitions
+            # (trainer/bootstrap/fleet.py): dealt out in turn, they split evenly; by range,
+            # one of two members would hold partitions 0-2 of 6 and make 3 of a step's 4 jobs
+            # while the other made 1
             assignment="roundrobin", **static)
 
     def leave(self) -> None:

@@ -125,7 +125,7 @@ def skilled_model(model_dir: Path, out_dir: Path, *, steps: int) -> Path:
 
     from simulate.harness import ChatTokens
     from simulate.tasks import JsonlTasksConfig, build_task_source
-    from trainer.midtrain import midtrain
+    from trainer.bootstrap.midtrain import midtrain
     from trainer.policy import Policy
 
     path = out_dir / "tasks.jsonl"

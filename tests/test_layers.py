@@ -1,7 +1,9 @@
 """The package layers of DESIGN.md, checked on the source: `app → trainer → simulate → serving →
 {ingest, kernels}`; nothing imports upward, ingest and kernels not each other, and no two
 files import each other in a circle (imports inside functions count: they only defer one); only
-ingest/ imports the Kafka client."""
+ingest/ imports the Kafka client. Inside trainer/, the core (policy, GRPO loss, checkpoints,
+distribution, trackers, the model's config) imports no process package (online, bootstrap,
+release), and of those only the online trainer imports another: releases, its sink."""
 
 from __future__ import annotations
 
@@ -59,6 +61,34 @@ def test_no_package_imports_upward() -> None:
             other = target.split(".")[0]
             if other != package and other not in LAYERS[package]:
                 wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+# trainer/'s process packages, with the process packages each may import
+TRAINER_PROCESSES = {
+    "trainer.online": {"trainer.release"},
+    "trainer.bootstrap": set(),
+    "trainer.release": set(),
+}
+
+
+def trainer_room(name: str) -> str:
+    """The trainer package a module belongs to: a process package, else the core."""
+    return next((p for p in TRAINER_PROCESSES if name == p or name.startswith(p + ".")),
+                "trainer")
+
+
+def test_trainers_core_and_processes_import_only_downward() -> None:
+    known = modules()
+    assert set(TRAINER_PROCESSES) <= set(known), "a trainer process package is missing"
+    wrong = []
+    for name, path in known.items():
+        if not name.startswith("trainer"):
+            continue
+        room = trainer_room(name)
+        allowed = {room, "trainer"} | TRAINER_PROCESSES.get(room, set())
+        wrong += [f"{name} imports {target}" for target in imports(path, known)
+                  if target.startswith("trainer") and trainer_room(target) not in allowed]
     assert not wrong, "\n".join(wrong)
 
 

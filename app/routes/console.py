@@ -19,7 +19,7 @@ from app.console import ConsoleSnapshot, snapshot
 from app.deps import AdminDep, DbDep, ServicesDep
 from app.errors import ApiError, error_responses
 from app.replicas import live_replicas
-from trainer.release import Release
+from trainer.release.pipeline import Release
 
 router = APIRouter(tags=["console"])
 STATIC = Path(__file__).resolve().parents[1] / "static"

@@ -1,4 +1,4 @@
-"""Release admin (bearer token): trigger, list, inspect, roll back (trainer/release.py).
+"""Release admin (bearer token): trigger, list, inspect, roll back (trainer/release/pipeline.py).
 
     POST /admin/releases                      202 {version, task_id}: a Celery build_release
     GET  /admin/releases                      newest first
@@ -25,7 +25,7 @@ from app.errors import ApiError, error_responses
 from app.schemas import ReleaseOut, ReleaseQueued, ReleaseRequest, RollbackRequest
 from app.settings import Settings
 from kernels.delta.store import LocalStoreConfig, artifact_store_config
-from trainer.release import (
+from trainer.release.pipeline import (
     Release,
     ReleaseConflictError,
     ReleaseContext,

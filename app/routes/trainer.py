@@ -7,7 +7,7 @@
     GET  /admin/trainer            the trainer's status row (step, consumed, lag, last release)
 
 The trainer is another process; these write to the SQL command queue it polls
-(trainer/online_control.py) and read the status row it keeps.
+(trainer/online/control.py) and read the status row it keeps.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class TrainerStatusOut(BaseModel):
 
 def trainer_status(services: Any) -> dict[str, Any] | None:
     """The status row as JSON, or None before any trainer reported (used by /admin/status)."""
-    from trainer.online_control import ensure_control_tables, read_status
+    from trainer.online.control import ensure_control_tables, read_status
 
     row = read_status(ensure_control_tables(services.db))
     return None if row is None else row.model_dump(mode="json", exclude={"id"})
@@ -50,7 +50,7 @@ _ERRORS = error_responses(401, 422)
 
 def _enqueue(services: Any, kind: str, body: TrainerCommandRequest | None
              ) -> TrainerCommandQueued:
-    from trainer.online_control import enqueue_command, ensure_control_tables
+    from trainer.online.control import enqueue_command, ensure_control_tables
 
     body = body or TrainerCommandRequest()
     command_id = enqueue_command(ensure_control_tables(services.db), kind,  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from pathlib import Path
 from app.settings import Settings
 from kernels.batch_invariant import is_batch_invariant
 from serving.backends import build_engine
-from trainer.online import OnlineTrainer
+from trainer.online.trainer import OnlineTrainer
 
 
 def test_one_switch_reaches_engine_and_online_trainer(model_dir: Path, tmp_path: Path,

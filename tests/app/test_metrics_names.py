@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.settings import Settings
 from app.stack import running_stack
-from tests.trainer.test_online import make_experiences
-from trainer.online import OnlineTrainer
-from trainer.online_config import OnlineTrainerSettings
-from trainer.online_control import SqlTrainerControl, open_control_db
+from tests.trainer.online.test_trainer import make_experiences
+from trainer.online.config import OnlineTrainerSettings
+from trainer.online.control import SqlTrainerControl, open_control_db
+from trainer.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.integration
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "flywheel.json"

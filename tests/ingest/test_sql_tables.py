@@ -9,7 +9,7 @@ from sqlmodel import SQLModel
 
 import app.db  # noqa: F401  # registers the API's tables
 import ingest.join_store  # noqa: F401  # the join's
-import trainer.online_control  # noqa: F401  # the online trainer's control tables
+import trainer.online.control  # noqa: F401  # the online trainer's control tables
 from ingest.sql import create_tables
 
 

@@ -76,7 +76,7 @@ class Training:
     def __init__(self, kafka: KafkaConfig, model_dir: Path, store: Path, run_dir: Path, *,
                  max_steps: int, time_budget_s: float) -> None:
         from simulate.tasks import JsonlTasksConfig, build_task_source
-        from trainer.bootstrap_config import BootstrapSettings
+        from trainer.bootstrap.config import BootstrapSettings
         from trainer.policy import Policy
 
         self.kafka, self.run_dir = kafka, run_dir
@@ -92,7 +92,7 @@ class Training:
 
     def _train(self) -> None:
         from simulate.rollouts import SandboxCache
-        from trainer.offline import run_grpo
+        from trainer.bootstrap.run import run_grpo
 
         try:
             self.result["run"] = run_grpo(self.policy, self.cfg, self.tasks, [],
@@ -102,7 +102,7 @@ class Training:
             self.result["error"] = exc
 
     def finish(self, timeout_s: float) -> Any:
-        """The run (`trainer.offline.GrpoRun`), once the thread ended without an error."""
+        """The run (`trainer.bootstrap.run.GrpoRun`), once the thread ended without an error."""
         self.thread.join(timeout=timeout_s)
         assert not self.thread.is_alive(), "the bootstrap did not finish"
         assert "error" not in self.result, self.result.get("error")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.release_weights import base_weights
+from trainer.release.weights import base_weights
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,9 @@ from ingest.events import ReleasePublished
 from ingest.log import read_all
 from simulate.sandbox import SandboxJob, SandboxResult
 from tests.conftest import require_service
-from tests.trainer.test_release import make_checkpoint
-from trainer.release import Release
-from trainer.release_config import HeldOutLossEval
+from tests.trainer.release.test_pipeline import make_checkpoint
+from trainer.release.config import HeldOutLossEval
+from trainer.release.pipeline import Release
 
 pytestmark = pytest.mark.integration
 REDIS = "redis://127.0.0.1:6379/0"

@@ -37,14 +37,14 @@ from tests.integration.fleet_helpers import (
 )
 from tests.integration.netns import Hosts, hosts, missing_privileges
 from tests.integration.test_releases import swapped_to
-from trainer.release_weights import base_weights
+from trainer.release.weights import base_weights
 
 REPO = Path(__file__).resolve().parents[2]
 DELAY_MS = 25
 HOSTS = ("broker", "trainer", "worker-a", "worker-b", "replica")
 STEPS, GROUPS_PER_STEP = 8, 4
 RELEASE = ("import sys; from pathlib import Path; from app.settings import Settings; "
-           "from trainer.release import PipelineReleaseSink; "
+           "from trainer.release.pipeline import PipelineReleaseSink; "
            "o = PipelineReleaseSink(Settings().release_config()).release("
            "Path(sys.argv[1]), {}, requested_by='trainer host', reason='bootstrap'); "
            "print('RELEASED', o.version, o.published, o.sha256, o.reason, flush=True)")

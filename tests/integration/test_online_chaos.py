@@ -27,9 +27,9 @@ import torch
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.log import EventProducer
-from tests.trainer.test_online import make_experiences
+from tests.trainer.online.test_trainer import make_experiences
 from trainer.checkpoint import CheckpointStore
-from trainer.online import OnlineTrainer
+from trainer.online.trainer import OnlineTrainer
 
 KILLS = 20
 EXPERIENCES = 160
@@ -43,7 +43,7 @@ def _zygote(settings_json: str) -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 
-    from trainer.online_loop import run_online
+    from trainer.online.loop import run_online
 
     settings = Settings.model_validate_json(settings_json)
     torch.set_num_threads(1)

@@ -19,8 +19,8 @@ from serving.release_subscriber import ReleaseSubscriber
 from serving.torch_engine import TorchEngine
 from simulate.fleet import load_policy
 from tests.integration.test_releases import wait_for
+from trainer.bootstrap.policy_publisher import PolicyPublisher, model_files
 from trainer.policy import Policy
-from trainer.policy_publisher import PolicyPublisher, model_files
 
 
 def nudged(policy: Policy, seed: int) -> dict[str, torch.Tensor]:

@@ -26,9 +26,9 @@ from kernels.delta import encode_delta
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
-from tests.trainer.test_release import make_checkpoint
-from trainer.release_config import HeldOutLossEval
-from trainer.release_weights import load_model
+from tests.trainer.release.test_pipeline import make_checkpoint
+from trainer.release.config import HeldOutLossEval
+from trainer.release.weights import load_model
 
 pytestmark = pytest.mark.integration
 CLIENTS = 16

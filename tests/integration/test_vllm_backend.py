@@ -45,7 +45,7 @@ from tests.integration.test_releases import (
     swapped_to,
     wait_for,
 )
-from trainer.release_weights import load_model
+from trainer.release.weights import load_model
 
 pytestmark = pytest.mark.integration
 

@@ -26,14 +26,14 @@ import torch
 from ingest.events import ExperienceReady
 from kernels.delta import apply_delta, encode_delta
 from kernels.weights import state_dict_sha256
-from tests.trainer.test_online import make_experiences
-from trainer.bootstrap_config import BootstrapSettings
+from tests.trainer.online.test_trainer import make_experiences
+from trainer.bootstrap.config import BootstrapSettings
+from trainer.bootstrap.run import OfflineTrainer
 from trainer.distributed import World, join_world, launch, leave_world
-from trainer.offline import OfflineTrainer
-from trainer.online import OnlineTrainer
-from trainer.online_config import OnlineTrainerSettings
+from trainer.online.config import OnlineTrainerSettings
+from trainer.online.trainer import OnlineTrainer
 from trainer.policy import NextTokenLoss, Policy, Rows
-from trainer.release_weights import base_weights, load_candidate
+from trainer.release.weights import base_weights, load_candidate
 
 SIZES = (8, 7, 1)
 EPS = 1e-4

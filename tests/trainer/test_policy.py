@@ -56,8 +56,8 @@ def test_rollouts_on_a_caching_engine_have_the_policys_logprobs(model_dir: Path)
     joining and leaving the batch) carry behavior logprobs the trainer's forward reproduces."""
     from simulate.rollouts import SandboxCache, rollout_group, unpack_segments
     from simulate.tasks import BuiltinTaskSource
-    from trainer.bootstrap_config import BootstrapSettings
-    from trainer.local_engine import build_harness, make_engine
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.local_engine import build_harness, make_engine
 
     policy = Policy.load(model_dir, lr=1e-3)
     cfg = BootstrapSettings(max_turns=3, max_tokens=24)

@@ -10,7 +10,7 @@ import pytest
 
 from app.settings import Settings
 from ingest.log import EventProducer
-from tests.trainer.test_online import make_experiences
+from tests.trainer.online.test_trainer import make_experiences
 from trainer.trackers import TrackerSettings, metric_name, scalars
 
 STEPS = 2
@@ -30,7 +30,7 @@ def test_online_trainer_reports_to_tensorboard_and_mlflow(settings: Settings, tm
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainer.online_loop import run_online
+    from trainer.online.loop import run_online
 
     producer = EventProducer(settings.kafka_config(settings.kafka_bootstrap or ""))
     for exp in make_experiences(model_dir, 4 * STEPS, seed=3):

@@ -52,8 +52,8 @@ def test_mean_reward_is_the_seeded_expected_reward_on_a_fixed_task_list(model_di
     same figure, and every episode's reward is counted."""
     from simulate.rollouts import SandboxCache
     from simulate.tasks import BuiltinTaskSource
-    from trainer.bootstrap_config import BootstrapSettings
-    from trainer.offline import mean_reward
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import mean_reward
     from trainer.policy import Policy
 
     cfg = BootstrapSettings(max_tokens=8, max_turns=2)
@@ -71,8 +71,8 @@ def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path
     policy has moved since."""
     from ingest.events import PackedArray
     from ingest.rollout_events import RolloutGroup, RolloutTrajectory
-    from trainer.bootstrap_config import BootstrapSettings
-    from trainer.offline import OfflineTrainer
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import OfflineTrainer
     from trainer.policy import Policy
 
     policy = Policy.load(model_dir, lr=1e-2)
@@ -104,7 +104,7 @@ def test_clip_anchor_behavior_makes_the_clip_bound_a_stale_batch(model_dir: Path
 
 
 def test_behavior_anchor_needs_an_is_cap_above_one() -> None:
-    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.bootstrap.config import BootstrapSettings
 
     with pytest.raises(ValueError, match="is_cap must be > 1 with clip_anchor 'behavior'"):
         BootstrapSettings(is_cap=1.0)

@@ -2,7 +2,7 @@
 
 Each step takes a batch of `ExperienceReady` records (at least `online.min_batch`), recomputes
 the logprobs of the served tokens with the logged MoE routes replayed, and applies the online
-objective of `trainer/online_loss.py` (baseline advantage, PPO's clip anchored at the behavior
+objective of `trainer/online/loss.py` (baseline advantage, PPO's clip anchored at the behavior
 logprobs, k3 KL anchor to the served release), with gradient clipping.
 
 Crash safety (trainer/checkpoint.py): the consumer is assigned all partitions by hand and seeks
@@ -10,7 +10,7 @@ to the offsets stored in the latest checkpoint; a step's weights, optimizer, off
 are checkpointed together; Kafka offsets are committed only after that checkpoint is durable;
 records whose experience ids are in the ledger are skipped (a session verdict yields
 several experiences under one feedback event id). The loop around
-the trainer (consumer, batching, control, releases) is trainer/online_loop.py.
+the trainer (consumer, batching, control, releases) is trainer/online/loop.py.
 
 Over N ranks (trainer/distributed.py) the model and the optimizer are sharded with FSDP2.
 The leader (rank 0) alone reads Kafka and runs the loop; each collective phase it enters
@@ -48,10 +48,10 @@ from trainer.distributed import (
     load_full_state_dict,
     shard,
 )
-from trainer.online_baseline import bucket_key, build_baseline
-from trainer.online_batch import Row, pack_rows
-from trainer.online_config import OnlineTrainerSettings
-from trainer.online_loss import OnlineLoss, advantages, clipped_online_loss, online_loss
+from trainer.online.baseline import bucket_key, build_baseline
+from trainer.online.batch import Row, pack_rows
+from trainer.online.config import OnlineTrainerSettings
+from trainer.online.loss import OnlineLoss, advantages, clipped_online_loss, online_loss
 from trainer.policy import TokenBatch, sequence_logprobs
 
 log = logging.getLogger(__name__)

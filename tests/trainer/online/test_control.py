@@ -11,16 +11,16 @@ import torch
 
 from app.settings import Settings
 from ingest.log import EventProducer
-from tests.trainer.test_online import make_experiences
-from trainer.online import OnlineTrainer
-from trainer.online_control import (
+from tests.trainer.online.test_trainer import make_experiences
+from trainer.online.control import (
     SqlTrainerControl,
     enqueue_command,
     open_control_db,
     read_status,
 )
-from trainer.online_loop import OnlineLoop, experience_source, take_batch
-from trainer.release import ReleaseOutcome
+from trainer.online.loop import OnlineLoop, experience_source, take_batch
+from trainer.online.trainer import OnlineTrainer
+from trainer.release.pipeline import ReleaseOutcome
 
 
 class RecordingSink:

@@ -12,9 +12,9 @@ import torch
 from ingest.events import ExperienceReady, PackedArray, SamplingParams, experience_id_for, utcnow
 from ingest.log import Delivered
 from trainer.checkpoint import Ledger, LedgerEntry
-from trainer.online import OnlineTrainer
-from trainer.online_config import BatchMeanBaseline, OnlineTrainerSettings
-from trainer.online_loop import take_batch
+from trainer.online.config import BatchMeanBaseline, OnlineTrainerSettings
+from trainer.online.loop import take_batch
+from trainer.online.trainer import OnlineTrainer
 
 PROMPTS = ["def add(a, b):", "Write a function that reverses a string.", "def is_even(n):"]
 
@@ -160,7 +160,7 @@ def test_take_batch_skips_the_ledger_and_returns_prefix_offsets(
 def test_every_turn_of_a_conversation_shares_its_opening_bucket() -> None:
     """The baseline compares a turn with turns of conversations that opened alike (the task):
     the prompt is cut at its first assistant header."""
-    from trainer.online_baseline import conversation_opening
+    from trainer.online.baseline import conversation_opening
 
     header = [1, 9]  # <|im_start|> assistant
     first = [1, 5, 6, 2, 1, 7, 8, 2, *header]  # system, user, assistant header

@@ -1,6 +1,6 @@
 """An engine in the trainer's own process, on a copy of the policy's weights: for held-out
 evaluation and the benches' fixed-task measurements (rollouts for training come from the
-fleet: trainer/fleet.py).
+fleet: trainer/bootstrap/fleet.py).
 
     engine = make_engine(policy, cfg, seed=0)
     harness = build_harness(engine, cfg, temperature=0.0)
@@ -15,7 +15,7 @@ from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
 from simulate.harness import Harness, Segment
-from trainer.bootstrap_config import BootstrapSettings
+from trainer.bootstrap.config import BootstrapSettings
 from trainer.policy import Policy
 
 Weights = dict[str, torch.Tensor]

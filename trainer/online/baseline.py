@@ -3,7 +3,7 @@
 `batch_mean` is the leave-one-out mean of the batch; `bucket_mean` a running mean per context
 bucket, the bucket a hash of the conversation's opening (the system and user messages before
 the first assistant turn), so every turn of an agent's sessions on one task meets that task's
-mean. Its state is checkpointed with the trainer (trainer/online_config.py has the knobs).
+mean. Its state is checkpointed with the trainer (trainer/online/config.py has the knobs).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ingest.events import ExperienceReady
-from trainer.online_config import BaselineSettings, BatchMeanBaseline
-from trainer.online_loss import leave_one_out_baseline, running_mean_update
+from trainer.online.config import BaselineSettings, BatchMeanBaseline
+from trainer.online.loss import leave_one_out_baseline, running_mean_update
 
 
 class Baseline(abc.ABC):

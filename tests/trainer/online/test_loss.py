@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.online_loss import (
+from trainer.online.loss import (
     advantages,
     clipped_online_loss,
     kl_k3,

@@ -19,7 +19,7 @@ the time its feedback arrives the trainer has moved. So the update is a policy g
 
 The loss is the token mean over the batch of the policy term plus kl_coef * kl_t.
 
-    python -m pytest tests/trainer/test_online_loss.py
+    python -m pytest tests/trainer/online/test_loss.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import BuiltinTasksConfig, HumanEvalConfig, build_task_source
 from simulate.tools import TOOLS, ToolCall, calls_in, render_call
-from trainer.midtrain import demonstration_call, transcript
+from trainer.bootstrap.midtrain import demonstration_call, transcript
 
 
 def test_demonstrations_solve_their_tasks(tmp_path: Path) -> None:
@@ -50,8 +50,8 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
 
 def test_practice_tasks_split_between_mid_training_and_grpo() -> None:
     from simulate.tasks import BuiltinTasksConfig, build_task_source
-    from trainer.bootstrap_config import BootstrapSettings
-    from trainer.midtrain import corpus_tasks, rl_tasks
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.midtrain import corpus_tasks, rl_tasks
 
     source = build_task_source(BuiltinTasksConfig())
     train, practice = source.split("train"), source.practice_tasks()
@@ -68,7 +68,7 @@ def test_practice_tasks_split_between_mid_training_and_grpo() -> None:
 
 
 def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
-    from trainer.midtrain import lr_factor
+    from trainer.bootstrap.midtrain import lr_factor
 
     assert [lr_factor(s, 100, floor=1.0) for s in (0, 9, 10, 50, 99)] == [0.1, 1.0, 1.0, 1.0, 1.0]
     assert lr_factor(99, 100) < 0.2  # the default still decays
@@ -76,7 +76,7 @@ def test_lr_floor_one_holds_the_rate_after_warm_up() -> None:
 
 def test_cosine_factor_runs_from_one_to_the_floor_and_stays() -> None:
     """GRPO's schedule (`lr_floor`): progress is the run's fraction of its budget."""
-    from trainer.midtrain import cosine_factor
+    from trainer.bootstrap.midtrain import cosine_factor
 
     assert cosine_factor(0.0, floor=0.1) == 1.0
     assert cosine_factor(0.5, floor=0.1) == pytest.approx(0.55)
@@ -103,8 +103,8 @@ def test_written_probability_is_the_product_of_the_masked_tokens_probabilities(
 def test_midtraining_stops_at_the_first_check_that_reaches_its_target(model_dir: Path) -> None:
     import dataclasses
 
-    from trainer.bootstrap_config import BootstrapSettings
-    from trainer.midtrain import corpus_tasks, midtrain, quality_stop
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.midtrain import corpus_tasks, midtrain, quality_stop
     from trainer.policy import Policy
 
     source = build_task_source(BuiltinTasksConfig())

@@ -1,9 +1,9 @@
 """Release configuration owned by `trainer`: `ReleaseSettings` (composed into
-`app.settings.Settings`) and `ReleaseConfig`, everything the pipeline of trainer/release.py
+`app.settings.Settings`) and `ReleaseConfig`, everything the pipeline of trainer/release/pipeline.py
 needs, which `Settings.release_config()` resolves.
 
 The eval gate is a choice between suites (a discriminated union on `kind`); `build_eval_suite`
-in `trainer/eval_gate.py` turns it into the suite object. Nothing here imports torch.
+in `trainer/release/eval_gate.py` turns it into the suite object. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class HeldOutTasksEval(BaseModel):
     1 sample: greedy). The gate compares the candidate with the served version task by task
     and refuses it only when the upper `confidence` bound of the change is below
     -`max_drop_points`: a candidate no worse than that is refused with probability at most
-    1 - `confidence` (trainer/eval_gate.py, docs/releases.md). The default: it guards the
+    1 - `confidence` (trainer/release/eval_gate.py, docs/releases.md). The default: it guards the
     ability the product uses."""
 
     kind: Literal["held_out_tasks"] = "held_out_tasks"
@@ -74,7 +74,7 @@ EvalSettings = Annotated[HeldOutTasksEval | HeldOutLossEval | CallableEval,
 
 
 class ReleaseSettings(BaseModel):
-    """The release pipeline (trainer/release.py) and the replicas that follow it."""
+    """The release pipeline (trainer/release/pipeline.py) and the replicas that follow it."""
 
     interval_s: float = Field(default=3 * 3600, ge=1, description="Celery beat period")
     snapshot_every: int = Field(default=8, ge=1,

@@ -1,4 +1,4 @@
-"""The eval gate's decision on per-task scores (trainer/eval_gate.py): the paired test, its
+"""The eval gate's decision on per-task scores (trainer/release/eval_gate.py): the paired test, its
 error rates on simulated suites, and the bare margin where a suite has no tasks."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from trainer.bootstrap_config import BootstrapSettings
-from trainer.eval_gate import HeldOutTasksSuite, Scores, gate, paired_change, t_quantile
-from trainer.release_config import HeldOutTasksEval
+from trainer.bootstrap.config import BootstrapSettings
+from trainer.release.config import HeldOutTasksEval
+from trainer.release.eval_gate import HeldOutTasksSuite, Scores, gate, paired_change, t_quantile
 
 
 def held_out_suite(*, max_drop_points: float = 2.0) -> HeldOutTasksSuite:

@@ -1,5 +1,5 @@
 """The bootstrap's side of the rollout fleet: jobs out, groups in (policy versions go out
-through `trainer/policy_publisher.py`).
+through `trainer/bootstrap/policy_publisher.py`).
 
 - `RolloutFleet` issues `RolloutJob`s and admits the `RolloutGroup`s that come back.
   Bounded staleness is admission control at the source: the jobs of step k (min_version
@@ -43,9 +43,9 @@ from ingest.events import encode
 from ingest.log import EventProducer, TopicReader, ensure_topics
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutSampling
 from simulate.fleet import LocalWorkers
-from trainer.bootstrap_config import BootstrapSettings
-from trainer.policy_publisher import FleetError, PolicyPublisher
-from trainer.task_sampler import TaskSampler
+from trainer.bootstrap.config import BootstrapSettings
+from trainer.bootstrap.policy_publisher import FleetError, PolicyPublisher
+from trainer.bootstrap.task_sampler import TaskSampler
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections import Counter
 from ingest.events import PackedArray
 from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from simulate.tasks import BuiltinTasksConfig, build_task_source
-from trainer.task_sampler import TaskSampler
+from trainer.bootstrap.task_sampler import TaskSampler
 
 TASKS = build_task_source(BuiltinTasksConfig()).split("train")[:3]
 

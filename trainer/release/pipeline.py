@@ -8,7 +8,7 @@ the head back to its parent by re-announcing the parent: replicas apply the same
 backwards. The served version ("head") is the newest published release; version 0 is the base
 model, recorded as a snapshot the first time the pipeline runs.
 
-The weights work is trainer/release_weights.py's. app/ only wires the pipeline: the admin
+The weights work is trainer/release/weights.py's. app/ only wires the pipeline: the admin
 routes, the Celery tasks (app/celery_app.py), the online trainer's `PipelineReleaseSink`.
 
     with open_release_context(settings.release_config()) as ctx:
@@ -34,8 +34,8 @@ from ingest.log import EventProducer
 from ingest.sql import open_database
 from kernels.delta.manifest import VersionRef
 from kernels.weights import state_dict_sha256
-from trainer.release_config import ReleaseConfig
-from trainer.release_weights import (
+from trainer.release.config import ReleaseConfig
+from trainer.release.weights import (
     ReleaseError,
     base_weights,
     evaluate,
@@ -271,7 +271,7 @@ class ReleaseOutcome:
 
 
 class ReleaseSink(Protocol):
-    """Where the online trainer's loop (trainer/online_loop.py) hands its weights."""
+    """Where the online trainer's loop (trainer/online/loop.py) hands its weights."""
 
     def release(self, candidate: Path, provenance: dict[str, Any], *,
                 requested_by: str, reason: str) -> ReleaseOutcome: ...

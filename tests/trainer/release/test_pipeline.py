@@ -1,4 +1,4 @@
-"""The release pipeline (trainer/release.py) on the real broker, SQLite and the tiny model:
+"""The release pipeline (trainer/release/pipeline.py) on the real broker, SQLite and the tiny model:
 gate, store, publish, snapshot cadence, rollback, and rebuilding the served weights from the
 artifact store."""
 
@@ -16,7 +16,8 @@ from ingest.log import read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
 from tests.conftest import skilled_model
-from trainer.release import (
+from trainer.release.config import HeldOutLossEval
+from trainer.release.pipeline import (
     PipelineReleaseSink,
     Release,
     ReleaseConflictError,
@@ -25,8 +26,7 @@ from trainer.release import (
     open_release_context,
     rollback_release,
 )
-from trainer.release_config import HeldOutLossEval
-from trainer.release_weights import (
+from trainer.release.weights import (
     ReleaseError,
     artifact_store,
     head_weights,

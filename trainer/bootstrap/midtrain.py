@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from simulate.tasks import TaskSource
-    from trainer.bootstrap_config import BootstrapSettings
+    from trainer.bootstrap.config import BootstrapSettings
 
 
 def demonstration_call(task: Task) -> ToolCall:

@@ -51,7 +51,7 @@ class OnlineTrainerSettings(BaseModel):
     adam_eps: float = Field(default=1e-8, gt=0.0)
     grad_clip: float = Field(default=1.0, gt=0.0)
     # how the update corrects for the policy having moved since a generation was served
-    # (trainer/online_loss.py): "clipped", PPO's clip anchored at the behavior logprobs (the
+    # (trainer/online/loss.py): "clipped", PPO's clip anchored at the behavior logprobs (the
     # bootstrap's GRPO loss), or "truncated_is", importance weights capped at is_cap
     objective: Literal["clipped", "truncated_is"] = "clipped"
     clip: float = Field(default=0.2, gt=0.0, lt=1.0, description="PPO ratio clip (clipped)")

@@ -37,7 +37,7 @@ from typing import Any
 from simulate.harness import Harness, HarnessConfig
 from simulate.rollouts import SandboxCache, run_once
 from simulate.tasks import TaskSourceConfig, build_task_source
-from trainer.release_config import CallableEval, EvalSettings, HeldOutLossEval, HeldOutTasksEval
+from trainer.release.config import CallableEval, EvalSettings, HeldOutLossEval, HeldOutTasksEval
 
 # Disjoint from trainer.init_model._STDLIB_MODULES (the tokenizer's training corpus).
 HELD_OUT_MODULES = ["shutil", "tempfile", "glob", "fnmatch", "gzip", "zipfile", "tarfile",

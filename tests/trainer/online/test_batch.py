@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ingest.events import ExperienceReady, PackedArray, SamplingParams, utcnow
-from trainer.online import OnlineTrainer
-from trainer.online_batch import pack_rows
-from trainer.online_config import BatchMeanBaseline, OnlineTrainerSettings
+from trainer.online.batch import pack_rows
+from trainer.online.config import BatchMeanBaseline, OnlineTrainerSettings
+from trainer.online.trainer import OnlineTrainer
 
 
 def turn(session: str | None, k: int, prompt: list[int], completion: list[int], *,

@@ -1,7 +1,7 @@
 """Offline bootstrap: mid-training, then GRPO on group rollouts, pipelined with bounded staleness.
 
 `OfflineTrainer` is the learner (named phases: `forward_backward`, `step`, `state_dict`,
-`close`); the rollouts come from the fleet (trainer/fleet.py: jobs out and groups in over
+`close`); the rollouts come from the fleet (trainer/bootstrap/fleet.py: jobs out and groups in over
 Kafka, each policy version out as a delta; simulate/fleet.py: the workers). `run_bootstrap`
 wires them, evaluates held-out pass@1 before and after, and writes metrics and a plot.
 
@@ -36,15 +36,15 @@ from simulate.rollouts import (
     unpack_segments,
 )
 from simulate.tasks import Task
-from trainer.bootstrap_config import BootstrapSettings, ClipAnchor
+from trainer.bootstrap.config import BootstrapSettings, ClipAnchor
+from trainer.bootstrap.fleet import LocalFleet, RolloutFleet, open_local_fleet
+from trainer.bootstrap.local_engine import build_harness, load_weights, make_engine
+from trainer.bootstrap.midtrain import cosine_factor
+from trainer.bootstrap.policy_publisher import PolicyPublisher, model_files
+from trainer.bootstrap.task_sampler import TaskSampler
 from trainer.distributed import World
-from trainer.fleet import LocalFleet, RolloutFleet, open_local_fleet
 from trainer.grpo import GRPOLossConfig, group_advantages, grpo_loss
-from trainer.local_engine import build_harness, load_weights, make_engine
-from trainer.midtrain import cosine_factor
 from trainer.policy import Policy, Rows, TokenBatch
-from trainer.policy_publisher import PolicyPublisher, model_files
-from trainer.task_sampler import TaskSampler
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
     from simulate.sandbox_service import sandbox_runner
     from simulate.tasks import build_task_source
-    from trainer.midtrain import corpus_tasks, midtrain_on, quality_stop, rl_tasks
+    from trainer.bootstrap.midtrain import corpus_tasks, midtrain_on, quality_stop, rl_tasks
 
     start = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,8 @@ class BootstrapSettings(BaseModel):
     # split only (docs/bootstrap.md)
     grpo_practice_fraction: float = Field(default=0.25, ge=0.0, le=1.0)
     # a task whose recent episodes all passed is drawn with this weight (1 when none did;
-    # trainer/task_sampler.py): groups that cannot teach anything cost as much as any. 1: all
-    # tasks alike
+    # trainer/bootstrap/task_sampler.py): groups that cannot teach anything cost as much as
+    # any. 1: all tasks alike
     solved_task_weight: float = Field(default=0.1, gt=0.0, le=1.0)
     group_size: int = Field(default=8, ge=2, le=128)
     groups_per_step: int = Field(default=4, ge=1)

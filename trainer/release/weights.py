@@ -1,6 +1,6 @@
 """The weights side of a release: load a candidate, gate it, encode and store it.
 
-Each function is given what it needs (a `ReleaseConfig`, weights); trainer/release.py runs
+Each function is given what it needs (a `ReleaseConfig`, weights); trainer/release/pipeline.py runs
 them in order and keeps the history and the announcements.
 
     weights = load_candidate(path, config.model_dir)
@@ -24,8 +24,8 @@ from kernels.delta.chain import apply_chain, plan_chain
 from kernels.delta.manifest import VersionRef
 from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
-from trainer.eval_gate import EvalSuite, GateDecision, Scores, build_eval_suite, gate
-from trainer.release_config import ReleaseConfig
+from trainer.release.config import ReleaseConfig
+from trainer.release.eval_gate import EvalSuite, GateDecision, Scores, build_eval_suite, gate
 
 Weights = dict[str, torch.Tensor]
 

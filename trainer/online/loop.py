@@ -23,10 +23,10 @@ from ingest.events import ExperienceReady
 from ingest.log import Delivered, EventProducer, Offsets, TopicReader, ensure_topics, offset_key
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
-from trainer.online import OnlineTrainer
-from trainer.online_config import OnlineTrainerSettings
-from trainer.release import ReleaseSink
-from trainer.trackers import TrackerSettings, Trackers, build_trackers
+from trainer.online.config import OnlineTrainerSettings
+from trainer.online.trainer import OnlineTrainer
+from trainer.release.pipeline import ReleaseSink
+from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
 log = logging.getLogger(__name__)
 

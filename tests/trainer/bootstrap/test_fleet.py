@@ -13,10 +13,10 @@ from ingest.rollout_events import RolloutJob
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from simulate.tasks import BuiltinTasksConfig, build_task_source
 from tests.integration.test_releases import wait_for
-from trainer.bootstrap_config import BootstrapSettings
-from trainer.fleet import RolloutFleet
-from trainer.policy_publisher import PolicyPublisher
-from trainer.task_sampler import TaskSampler
+from trainer.bootstrap.config import BootstrapSettings
+from trainer.bootstrap.fleet import RolloutFleet
+from trainer.bootstrap.policy_publisher import PolicyPublisher
+from trainer.bootstrap.task_sampler import TaskSampler
 
 
 def test_a_steps_jobs_go_out_when_the_version_they_need_is_announced(
