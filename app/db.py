@@ -38,7 +38,7 @@ class ServedVersion(SQLModel, table=True):
 
 
 class ReplicaSeen(SQLModel, table=True):
-    """A serving process and the version it serves, as it last said (app/replicas.py)."""
+    """A serving process and the version it serves, as it last said (app/api/replicas.py)."""
 
     __tablename__ = "replica"
     replica_id: str = Field(primary_key=True, max_length=200)

@@ -52,7 +52,7 @@ CONCURRENCY = 32
 
 
 def app_factory():  # type: ignore[no-untyped-def]  # uvicorn --factory, settings from env
-    from app.main import create_app
+    from app.api.main import create_app
 
     return create_app(Settings())
 

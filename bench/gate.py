@@ -48,7 +48,7 @@ def served_model(settings: Settings, path: Path | None) -> Path:
         if not (path / "config.json").exists():
             raise SystemExit(f"bench/gate.py: no model in {path}")
         return path
-    from app.demo_loop import DemoPlan, bootstrapped_model, demo_settings
+    from app.cli.demo_loop import DemoPlan, bootstrapped_model, demo_settings
 
     return bootstrapped_model(demo_settings(settings, DemoPlan()))[0]
 

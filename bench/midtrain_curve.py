@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.demo_loop import MIDTRAIN_UNTIL, DemoPlan, demo_settings  # noqa: E402
+from app.cli.demo_loop import MIDTRAIN_UNTIL, DemoPlan, demo_settings  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402

@@ -49,8 +49,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.cli.stack import running_broker  # noqa: E402
 from app.settings import Settings  # noqa: E402
-from app.stack import running_broker  # noqa: E402
 from ingest.broker import free_port  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "Write a function that reverses a string.", "def is_even(n):",
@@ -154,7 +154,7 @@ def fastest_baseline(model_dir: Path, n: int, max_tokens: int) -> tuple[float, l
 def serve(settings: Settings) -> tuple[Any, Any, threading.Thread]:
     import uvicorn
 
-    from app.main import build_services, create_app
+    from app.api.main import build_services, create_app
 
     services = build_services(settings)
     server = uvicorn.Server(uvicorn.Config(create_app(settings, services=services),
@@ -213,7 +213,7 @@ def main() -> int:
         finally:
             server.should_exit = True
             thread.join(timeout=30)
-            from app.main import close_services
+            from app.api.main import close_services
 
             close_services(services)
     result["compile"] = settings.engine.compile

@@ -47,6 +47,7 @@ from sqlalchemy import Connection
 from ingest import join_store as store
 from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import DeadLetter, ExperienceReady, FeedbackReceived, GenerationLogged, encode
+from ingest.feedback_rewards import reward_for
 from ingest.join_sessions import turn_plan
 from ingest.log import (
     Delivered,
@@ -56,7 +57,6 @@ from ingest.log import (
     partition_for,
     scan_keys,
 )
-from ingest.rewards import reward_for
 from ingest.sql import open_database
 
 log = logging.getLogger(__name__)

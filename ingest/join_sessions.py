@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ingest.events import FeedbackReceived, GenerationLogged
+from ingest.feedback_rewards import turn_rewards
 from ingest.join_store import as_utc
-from ingest.rewards import turn_rewards
 
 
 class Turn(NamedTuple):
@@ -51,7 +51,7 @@ def covered_turns(verdict: FeedbackReceived, generations: Sequence[GenerationLog
 
 def turn_plan(verdict: FeedbackReceived, generations: Sequence[GenerationLogged],
               reward: float, discount: float) -> Plan:
-    """Each covered generation with its turn and reward (`ingest.rewards.turn_rewards`)."""
+    """Each covered generation with its turn and reward (`ingest.feedback_rewards.turn_rewards`)."""
     turns = covered_turns(verdict, generations)
     rewards = turn_rewards(reward, len(turns), discount)
     return [(g, Turn(k, len(turns)), r)

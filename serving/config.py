@@ -21,7 +21,7 @@ class EngineSettings(BaseModel):
     # torch intra-op threads. None: `default_threads`, else torch's own default
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
     seed: int = 0
-    # how the model writes a function call (app/tool_calls.py): qwen3_coder (XML, the default
+    # how the model writes a function call (app/api/tool_calls.py): qwen3_coder (XML, the default
     # model's template), hermes (JSON in <tool_call> tags: Qwen2.5/Qwen3, Hermes)
     tool_parser: Literal["qwen3_coder", "hermes"] = "qwen3_coder"
     # torch backend: keys/values of recent sequences kept for prompts that extend them (a

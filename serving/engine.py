@@ -59,7 +59,7 @@ class GenerationRequest:
     # an xgrammar structural tag (JSON) the completion must follow: tokens it does not allow
     # are masked before sampling, and the logprob of each sampled token is taken under the
     # masked (renormalized) distribution it was drawn from. The generation stops when the
-    # grammar is complete. Used for function calls (app/tool_calls.py).
+    # grammar is complete. Used for function calls (app/api/tool_calls.py).
     structural_tag: str | None = None
 
 

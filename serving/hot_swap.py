@@ -1,18 +1,18 @@
-"""Hot-swap of an engine that holds the weights in this process (the torch engine): plan,
-prepare and verify a target version off the engine thread (with the codec of
-kernels/delta/state_dict.py), then hand a commit to the engine's `swap_weights`, which runs it in
-place between decode steps once the requests in flight have finished. (The vLLM engine runs
-the same `prepare_commit` inside its workers: serving/vllm_worker.py.)
+"""Hot-swap of an engine that holds the weights in this process (the torch engine): a release
+enters by the engine's `swap_to`, which prepares and verifies the target version off the
+engine thread (`prepare_release`, with the codec of kernels/delta/state_dict.py) and hands the
+commit to its own `BetweenSteps`, which runs it in place between decode steps once the requests
+in flight have finished. (The vLLM engine runs the same `prepare_commit` inside its workers:
+serving/vllm_worker.py.)
 
 One delta step (the usual release, or a rollback: the same delta backwards) is prepared
 against the live weights, read-only, and committed as the changed bit patterns: the pause is
 that write. A longer chain or a snapshot (a replica far behind) is applied to a copy and
 swapped in whole. Any failed check raises `DeltaError` before a live weight is touched.
 
-`swap` does both at once; a caller that knows the next version early (a rollout worker, while
-it makes a batch on the current one) can `prepare_swap` ahead and `commit_swap` later.
-`BetweenSteps` is the engine thread's side: the calls and commits it was handed, each run
-between two decode steps.
+A caller that knows the next version early (a rollout worker, while it makes a batch on the
+current one) asks the engine to `prepare_swap` ahead and passes the result to `swap_to`
+later: one way in, and this module never calls back into an engine.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import queue
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -35,19 +35,6 @@ from serving.engine import ModelVersion, SwapRecord, SwapTiming
 
 Weights = MutableMapping[str, torch.Tensor]
 Commit = Callable[[Weights], object]
-
-
-@runtime_checkable
-class InPlaceEngine(Protocol):
-    """An engine whose weights live in this process (serving/torch_engine.py)."""
-
-    @property
-    def version(self) -> ModelVersion: ...
-
-    def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]: ...
-
-    def swap_weights(self, commit: Commit, version: ModelVersion
-                     ) -> concurrent.futures.Future[SwapTiming]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +51,8 @@ class BetweenSteps:
     asks `swap_waiting()` before it admits requests and pauses admission while one waits),
     so no response mixes two versions."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake  # an idle engine thread waits for requests: wake it
         self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any],
                                              concurrent.futures.Future[Any]]]
         self._calls = queue.SimpleQueue()
@@ -75,6 +63,7 @@ class BetweenSteps:
         """Any thread: `fn(model)` at the next step; its future gets what it returns."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls.put((fn, future))
+        self._wake()
         return future
 
     def swap(self, commit: Commit, version: ModelVersion
@@ -82,6 +71,7 @@ class BetweenSteps:
         """Any thread: queue a commit to `version`; its future gets the pause it cost."""
         future: concurrent.futures.Future[SwapTiming] = concurrent.futures.Future()
         self._swaps.put(_Swap(commit, version, future, time.perf_counter()))
+        self._wake()
         return future
 
     def run_calls(self, model: Any, before: Callable[[], None]) -> None:
@@ -157,12 +147,6 @@ def prepare_commit(store: ArtifactStore, live: Weights, steps: list[ChainStep],
     return copy_in
 
 
-def live_weights(engine: InPlaceEngine, timeout_s: float = 120.0) -> Weights:
-    """The engine's state dict (tensors sharing its storage); only swaps write to them."""
-    return engine.call_between_steps(  # type: ignore[no-any-return]
-        lambda model: model.state_dict()).result(timeout=timeout_s)
-
-
 @dataclass(frozen=True)
 class PreparedSwap:
     """A verified commit from `base` to `version`, ready to be written in between steps."""
@@ -175,33 +159,61 @@ class PreparedSwap:
     live: Weights
 
 
-def prepare_swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVersion, *,
-                 live: Weights | None = None, timeout_s: float = 120.0) -> PreparedSwap:
-    """Plan and verify `version` against the live weights while the engine runs on (they are
-    only read). `live`: the engine's state dict if the caller holds it already."""
+def prepare_release(live: Weights, base: ModelVersion, store: ArtifactStore,
+                    version: ModelVersion) -> PreparedSwap:
+    """Plan and verify `version` against `live`, the weights of `base` (only read here)."""
     started = time.perf_counter()
-    base = engine.version
-    live = live_weights(engine, timeout_s) if live is None else live
     steps = plan(store, base, version.number)
-    commit_fn = on_own_thread(  # torch work: keep the caller's thread free of an OpenMP pool
+    write = on_own_thread(  # torch work: keep the caller's thread free of an OpenMP pool
         lambda: prepare_commit(store, live, steps, version.sha256))
-    return PreparedSwap(base, version, len(steps), time.perf_counter() - started, commit_fn,
-                        live)
+    return PreparedSwap(base, version, len(steps), time.perf_counter() - started, write, live)
 
 
-def commit_swap(engine: InPlaceEngine, prepared: PreparedSwap, *,
-                timeout_s: float = 120.0) -> SwapRecord:
-    """Write a prepared swap in between decode steps (requests in flight finish first)."""
-    if engine.version != prepared.base:
-        raise DeltaVerificationError(f"prepared against v{prepared.base.number}, the engine "
-                                     f"is on v{engine.version.number}")
-    timing = engine.swap_weights(prepared.write, prepared.version).result(timeout=timeout_s)
+def swap_record(prepared: PreparedSwap, timing: SwapTiming) -> SwapRecord:
+    """What a swap did and cost, with the live weights' hash read after it."""
     return SwapRecord(prepared.version.number, prepared.version.sha256, prepared.steps,
                       prepared.prepare_s, timing.paused_s, timing.copy_s,
                       state_dict_sha256(prepared.live), time.time())
 
 
-def swap(engine: InPlaceEngine, store: ArtifactStore, version: ModelVersion, *,
-         timeout_s: float = 120.0) -> SwapRecord:
-    return commit_swap(engine, prepare_swap(engine, store, version, timeout_s=timeout_s),
-                       timeout_s=timeout_s)
+class InPlaceEngine:
+    """The hot-swap side of an engine whose weights live in this process (the torch engine
+    inherits it, and its thread runs `between`'s work between decode steps): a release is
+    prepared against the live weights, now or ahead, then written in by `swap_to`."""
+
+    between: BetweenSteps
+
+    @property
+    def version(self) -> ModelVersion:
+        raise NotImplementedError
+
+    def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn(model)` on the engine thread between two decode steps."""
+        return self.between.call(fn)
+
+    def swap_weights(self, commit: Commit, version: ModelVersion
+                     ) -> concurrent.futures.Future[SwapTiming]:
+        """Run `commit(live_state_dict)` (verified writes) and serve `version` from then on:
+        admission pauses until the requests in flight finish, so no reply mixes versions."""
+        return self.between.swap(commit, version)
+
+    def live_weights(self, timeout_s: float = 120.0) -> Weights:
+        """The model's state dict (tensors sharing its storage); only swaps write to them."""
+        return self.call_between_steps(  # type: ignore[no-any-return]
+            lambda model: model.state_dict()).result(timeout_s)
+
+    def prepare_swap(self, store: ArtifactStore, version: ModelVersion, *,
+                     live: Weights | None = None, timeout_s: float = 120.0) -> PreparedSwap:
+        """`version` planned and verified against the live weights (`live`: the state dict, if
+        the caller holds it), read while serving goes on: for `swap_to` now or later."""
+        live = self.live_weights(timeout_s) if live is None else live
+        return prepare_release(live, self.version, store, version)
+
+    def swap_to(self, store: ArtifactStore, version: ModelVersion, *,
+                prepared: PreparedSwap | None = None, timeout_s: float = 120.0) -> SwapRecord:
+        """A release into this engine: `prepared` where it was prepared against the weights
+        served now (else it is prepared here), written in once the requests in flight end."""
+        if prepared is None or (prepared.base, prepared.version) != (self.version, version):
+            prepared = self.prepare_swap(store, version, timeout_s=timeout_s)
+        timing = self.swap_weights(prepared.write, version).result(timeout_s)
+        return swap_record(prepared, timing)

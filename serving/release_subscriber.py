@@ -32,14 +32,7 @@ from ingest.log import TopicReader
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion, SwapRecord
-from serving.hot_swap import (
-    InPlaceEngine,
-    PreparedSwap,
-    Weights,
-    commit_swap,
-    live_weights,
-    prepare_swap,
-)
+from serving.hot_swap import InPlaceEngine, PreparedSwap, Weights
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +66,7 @@ class ReleaseSubscriber:
 
     def start(self) -> ReleaseSubscriber:
         if self._in_place is not None and self.prepare_ahead:  # read once, while it is idle
-            self._live = live_weights(self._in_place)
+            self._live = self._in_place.live_weights()
         self._thread.start()
         return self
 
@@ -142,7 +135,7 @@ class ReleaseSubscriber:
         assert self._in_place is not None  # checked in __init__
         with self._swap_lock:
             try:
-                self._prepared = prepare_swap(self._in_place, self.store, want, live=self._live)
+                self._prepared = self._in_place.prepare_swap(self.store, want, live=self._live)
             except (DeltaError, ArtifactNotFoundError, OSError) as exc:
                 log.warning("v%d not prepared ahead (catch_up will swap it): %s",
                             want.number, exc)
@@ -163,9 +156,8 @@ class ReleaseSubscriber:
         want = ModelVersion(target.version, target.sha256)
         prepared, self._prepared = self._prepared, None
         try:
-            if (prepared is not None and self._in_place is not None
-                    and prepared.version == want and prepared.base == self.engine.version):
-                record = commit_swap(self._in_place, prepared)
+            if self._in_place is not None:  # a release prepared ahead, if it still fits
+                record = self._in_place.swap_to(self.store, want, prepared=prepared)
             else:
                 record = self.engine.swap_to(self.store, want)
         except (DeltaError, ArtifactNotFoundError, EngineError, OSError) as exc:

@@ -13,7 +13,8 @@ in the batch beyond float tolerance (bitwise with `batch_invariant=True`, see
 kernels/batch_invariant.py). MoE routes are captured per fed token with kernels/moe_replay.
 With `prefix_cache_tokens`, a prompt that starts with a sequence computed recently (the
 previous turn of a conversation, the same prompt sampled again) prefills only its new tokens
-(serving/prefix_cache.py).
+(serving/prefix_cache.py). A release comes in by `swap_to` (serving/hot_swap.py's
+`InPlaceEngine`, which this class is): the thread writes it between two decode steps.
 
     engine = TorchEngine.load(Path("data/models/base"), max_batch=32)
     result = await engine.generate(GenerationRequest(prompt_token_ids=[...], max_tokens=32))
@@ -22,7 +23,6 @@ previous turn of a conversation, the same prompt sampled again) prefills only it
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from kernels.delta.store import ArtifactStore
 from kernels.weights import state_dict_sha256
+from serving import hot_swap
 from serving.batching import cache_kv, joined_row_kv, prefill_inputs
 from serving.config import default_threads, on_own_thread
 from serving.decode import Joining, decode, lean_decoder
@@ -46,13 +46,10 @@ from serving.engine import (
     GenerationRequest,
     GenerationResult,
     ModelVersion,
-    SwapRecord,
-    SwapTiming,
     check_request,
     collect,
 )
 from serving.grammar import Grammars
-from serving.hot_swap import BetweenSteps, Commit, swap
 from serving.onednn import OneDnnMode
 from serving.prefix_cache import PrefixCache, PrefixHit, repeat_waves
 from serving.sampling import sample_rows
@@ -61,7 +58,7 @@ from serving.sequence import DecodingRows, EngineSequence
 log = logging.getLogger(__name__)
 
 
-class TorchEngine:
+class TorchEngine(hot_swap.InPlaceEngine):
     """Generates with a transformers model; `version` names the weights it serves."""
 
     def __init__(self, model: Any, tokenizer: Any, *, version_number: int = 0, seed: int = 0,
@@ -88,7 +85,7 @@ class TorchEngine:
         self._rows = DecodingRows()
         self._joining: list[EngineSequence] = []  # prefilled with the next step (lean step)
         self._deferred: list[EngineSequence] = []  # admitted, to join with a later step
-        self._between = BetweenSteps()
+        self.between = hot_swap.BetweenSteps(wake=lambda: self._inbox.put(None))
         self._decoder = lean_decoder(self.model, batch_invariant=batch_invariant,
                                      onednn=onednn)
         self._compile = compile and self._decoder is not None
@@ -155,31 +152,8 @@ class TorchEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await collect(self._open(request, want_deltas=False).deltas())
 
-    def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
-        """Run `fn(model)` on the engine thread between two decode steps (e.g. a hot-swap)."""
-        future = self._between.call(fn)
-        self._inbox.put(None)  # an idle engine thread waits on the inbox: wake it
-        return future
-
     def set_version(self, version: ModelVersion) -> None:
         self._version = version
-
-    def swap_weights(self, commit: Commit, version: ModelVersion
-                     ) -> concurrent.futures.Future[SwapTiming]:
-        """Run `commit(live_state_dict)` (verified writes, prepared by the caller) and serve
-        `version` from then on.
-
-        Admission pauses until the requests in flight finish, so no response mixes two
-        versions; then the engine thread commits in place and admission resumes.
-        """
-        future = self._between.swap(commit, version)
-        self._inbox.put(None)  # wake an idle engine thread
-        return future
-
-    def swap_to(self, store: ArtifactStore, version: ModelVersion, *,
-                timeout_s: float = 120.0) -> SwapRecord:
-        """Prepare and verify `version` off the engine thread, then `swap_weights` it in."""
-        return swap(self, store, version, timeout_s=timeout_s)
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
@@ -201,7 +175,7 @@ class TorchEngine:
                    else contextlib.nullcontext())  # no top-k MoE routers: recorder None
         with torch.inference_mode(), capture as recorder:
             while not self._closed.is_set():
-                self._between.run_calls(self.model, self._weights_changed)
+                self.between.run_calls(self.model, self._weights_changed)
                 if not self._swap_when_drained():
                     self._admit(recorder)
                 self._rows.drop_cancelled(self._version)
@@ -214,11 +188,11 @@ class TorchEngine:
 
     def _swap_when_drained(self) -> bool:
         """True while a swap waits for the rows in flight to finish (admission paused)."""
-        if not self._between.swap_waiting():
+        if not self.between.swap_waiting():
             return False
         if self._rows:
             return True
-        self._between.commit_swap(self.model.state_dict(), self._serve)
+        self.between.commit_swap(self.model.state_dict(), self._serve)
         return False
 
     def _serve(self, version: ModelVersion) -> None:

@@ -10,7 +10,7 @@ rollout workers (code execution is CPU-bound and untrusted; decoding is neither)
     result = run(job)
 
     # a sandbox host (no torch imported):
-    celery -A app.celery_app:celery_from_env worker -Q flywheel-sandbox
+    celery -A app.jobs.celery_app:celery_from_env worker -Q flywheel-sandbox
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 
-SANDBOX_TASK = "flywheel.run_sandboxed"  # registered by app/celery_app.py
+SANDBOX_TASK = "flywheel.run_sandboxed"  # registered by app/jobs/celery_app.py
 SANDBOX_QUEUE = "flywheel-sandbox"
 
 SandboxRunner = Callable[[SandboxJob], SandboxResult]

@@ -1,7 +1,7 @@
 """Off-peak scavenging: a serving replica makes rollouts for the bootstrap while its users are
 away, and gives the cores back the moment they return.
 
-The `Scavenger` runs a rollout worker (`simulate.fleet.FleetWorker`) on a thread of the
+The `Scavenger` runs a rollout worker (`simulate.rollout_worker.FleetWorker`) on a thread of the
 replica's process, with its own engine and its own copy of the policy weights (built from the
 policy store and following the `policy` topic): never the served release. It
 
@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 from serving.live_load import LiveLoad
 
 if TYPE_CHECKING:
-    from simulate.fleet import FleetWorker, WorkerLaunch
+    from simulate.rollout_worker import FleetWorker, WorkerLaunch
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Scavenger:
         """Load the second copy of the weights (waiting for the bootstrap's first snapshot
         without blocking `stop`)."""
         from kernels.delta.store import artifact_store_config, build_artifact_store
-        from simulate.fleet import FleetWorker, wait_for_snapshot
+        from simulate.rollout_worker import FleetWorker, wait_for_snapshot
 
         store = build_artifact_store(artifact_store_config(self.launch.store_url))
         if not wait_for_snapshot(store, timeout_s=float("inf"), stop=self._stop):

@@ -1,9 +1,8 @@
 """The package layers of DESIGN.md, checked on the source: `app → trainer → simulate → serving →
 {ingest, kernels}`; nothing imports upward, ingest and kernels not each other, and no two
 files import each other in a circle (imports inside functions count: they only defer one); only
-ingest/ imports the Kafka client. Inside trainer/, the core (policy, GRPO loss, checkpoints,
-distribution, trackers, the model's config) imports no process package (online, bootstrap,
-release), and of those only the online trainer imports another: releases, its sink."""
+ingest/ imports the Kafka client. Inside trainer/ and app/, the core imports none of the
+package's rooms, and a room only the rooms below it (`ROOMS`)."""
 
 from __future__ import annotations
 
@@ -64,31 +63,37 @@ def test_no_package_imports_upward() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-# trainer/'s process packages, with the process packages each may import
-TRAINER_PROCESSES = {
-    "trainer.online": {"trainer.release"},
-    "trainer.bootstrap": set(),
-    "trainer.release": set(),
+# The rooms of a package, with the rooms each may import; a module in no room is the package's
+# core, which imports no room. trainer/: one room per process, around the core every trainer
+# shares (the online trainer imports releases, its sink). app/: the command line starts the
+# API, which enqueues Celery jobs; settings and the SQL tables are the core.
+ROOMS = {
+    "trainer": {"trainer.online": {"trainer.release"}, "trainer.bootstrap": set(),
+                "trainer.release": set()},
+    "app": {"app.cli": {"app.api", "app.jobs"}, "app.api": {"app.jobs"}, "app.jobs": set()},
 }
 
 
-def trainer_room(name: str) -> str:
-    """The trainer package a module belongs to: a process package, else the core."""
-    return next((p for p in TRAINER_PROCESSES if name == p or name.startswith(p + ".")),
-                "trainer")
+def room_of(name: str) -> str:
+    """The room a module belongs to, or its package (the core)."""
+    package = name.split(".")[0]
+    return next((r for r in ROOMS.get(package, {}) if name == r or name.startswith(r + ".")),
+                package)
 
 
-def test_trainers_core_and_processes_import_only_downward() -> None:
+def test_each_packages_core_and_rooms_import_only_downward() -> None:
     known = modules()
-    assert set(TRAINER_PROCESSES) <= set(known), "a trainer process package is missing"
+    for package, rooms in ROOMS.items():
+        assert set(rooms) <= set(known), f"a room of {package}/ is missing"
     wrong = []
     for name, path in known.items():
-        if not name.startswith("trainer"):
+        package = name.split(".")[0]
+        if package not in ROOMS:
             continue
-        room = trainer_room(name)
-        allowed = {room, "trainer"} | TRAINER_PROCESSES.get(room, set())
+        room = room_of(name)
+        allowed = {room, package} | ROOMS[package].get(room, set())
         wrong += [f"{name} imports {target}" for target in imports(path, known)
-                  if target.startswith("trainer") and trainer_room(target) not in allowed]
+                  if target.split(".")[0] == package and room_of(target) not in allowed]
     assert not wrong, "\n".join(wrong)
 
 

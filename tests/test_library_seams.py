@@ -14,12 +14,12 @@ import pytest
 
 
 def test_kombus_virtual_channels_still_send_through_put() -> None:
-    """app/celery_fs.py's AtomicChannel overrides `_put(queue, message)`, the method kombu's
+    """app/jobs/celery_fs.py's AtomicChannel overrides `_put(queue, message)`, the method kombu's
     virtual transports implement to enqueue (kombu 5: no public hook for how the filesystem
     transport writes a message file)."""
     from kombu.transport import filesystem, virtual
 
-    from app.celery_fs import AtomicChannel
+    from app.jobs.celery_fs import AtomicChannel
 
     assert callable(virtual.Channel._put) and "_put" in vars(filesystem.Channel)
     assert list(inspect.signature(filesystem.Channel._put).parameters)[:3] == [
@@ -28,7 +28,7 @@ def test_kombus_virtual_channels_still_send_through_put() -> None:
 
 
 def test_celerys_workers_still_stop_warmly_on_should_stop() -> None:
-    """app/celery_app.py stops its embedded worker thread by setting
+    """app/jobs/celery_app.py stops its embedded worker thread by setting
     `celery.worker.state.should_stop`, what a worker's SIGTERM handler sets (celery 5: no
     public call stops a worker started in-process from another thread); the worker's loop
     must still read it."""

@@ -5,7 +5,7 @@ seam, `Trackers.report(step, metrics)`. TensorBoard event files are written by d
 the run dir (`<run dir>/tensorboard`; `tensorboard --logdir <run dir>` reads them); MLflow
 (the `mlflow` extra) gets the same scalars when `trackers.mlflow_tracking_uri` is set. The
 names are `metric_name(trainer, key)`: `flywheel_online_loss`, `flywheel_bootstrap_reward`,
-the names the API's `/metrics` gives the online trainer's figures (app/metrics.py), so one
+the names the API's `/metrics` gives the online trainer's figures (app/api/metrics.py), so one
 metric reads the same in TensorBoard, MLflow, Prometheus and Grafana.
 
     FLYWHEEL_TRACKERS__TENSORBOARD=false                       # no event files

@@ -21,9 +21,9 @@ from ingest.events import (
     FeedbackReceived,
     experience_id_for,
 )
+from ingest.feedback_rewards import reward_for
 from ingest.join import Join
 from ingest.log import EventProducer, read_all
-from ingest.rewards import reward_for
 from tests.ingest.conftest import Clock
 
 

@@ -21,10 +21,10 @@ from ingest.events import (
     GenerationLogged,
     experience_id_for,
 )
+from ingest.feedback_rewards import turn_rewards
 from ingest.join import Join
 from ingest.join_sessions import Turn, covered_turns, turn_plan
 from ingest.log import EventProducer, read_all
-from ingest.rewards import turn_rewards
 from tests.ingest.conftest import Clock
 from tests.ingest.test_join import run_until
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from app.celery_app import RELEASE_TASK, SANDBOX_TASK, make_celery
 from app.db import make_db_engine
+from app.jobs.celery_app import RELEASE_TASK, SANDBOX_TASK, make_celery
 from app.settings import Settings
 from ingest.events import ReleasePublished
 from ingest.log import read_all

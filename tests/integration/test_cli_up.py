@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_help_does_not_import_torch() -> None:
-    code = ("import sys; from app.cli import build_parser; build_parser().format_help(); "
+    code = ("import sys; from app.cli.main import build_parser; build_parser().format_help(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

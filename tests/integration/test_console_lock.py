@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.integration

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from pydantic import SecretStr
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from bench.feedback import synthetic_session
 from ingest.config import KafkaConfig, RewardMap
 from ingest.events import (
@@ -37,8 +37,8 @@ from ingest.events import (
     GenerationLogged,
     experience_id_for,
 )
+from ingest.feedback_rewards import reward_for
 from ingest.log import EventProducer, read_raw
-from ingest.rewards import reward_for
 from ingest.signing import SIGNATURE_HEADER, sign
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.config import KafkaConfig
 from ingest.signing import SIGNATURE_HEADER, sign
 from tests.conftest import POSTGRES_URL, require_service

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.events import ReleasePublished
 from ingest.log import EventProducer
 from kernels.delta import encode_delta

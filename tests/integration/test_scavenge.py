@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.config import KafkaConfig
 from simulate.scavenge import ScavengeSettings
 from tests.integration.fleet_helpers import Training, start_worker, worker_env

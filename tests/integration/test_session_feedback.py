@@ -19,8 +19,8 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady, GenerationLogged, experience_id_for
 from ingest.log import EventProducer, read_all, read_raw

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.broker import EmbeddedBroker
 from ingest.events import GenerationLogged
 from ingest.log import read_all

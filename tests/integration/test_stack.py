@@ -13,8 +13,8 @@ import uuid
 import httpx
 import pytest
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.events import FeedbackReceived, GenerationLogged
 from ingest.log import read_all
 from serving.engine import GenerationRequest

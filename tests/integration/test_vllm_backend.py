@@ -27,9 +27,9 @@ from ingest.config import KafkaConfig
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.vllm_engine import CPU_NO_ROUTES, on_gpu
-from tests.app.test_completions import chat, check_disconnect_cancels
-from tests.app.test_openai_client import check_openai_client, wait_for_sessions
-from tests.app.test_tools import (
+from tests.app.api.test_completions import chat, check_disconnect_cancels
+from tests.app.api.test_openai_client import check_openai_client, wait_for_sessions
+from tests.app.api.test_tools import (
     TOOLS,
     USER,
     check_forced_tokens_logprobs,
@@ -104,7 +104,7 @@ def test_disconnect_cancels_and_logs_the_partial_generation(vllm_up: Up) -> None
 
 
 def test_function_calling_as_on_the_torch_engine(vllm_up: Up) -> None:
-    """tests/app/test_tools.py's checks with vLLM's structured outputs as the grammar: tools
+    """tests/app/api/test_tools.py's checks with vLLM's structured outputs as the grammar: tools
     reach the prompt, `required` and named choices always give valid calls, streamed calls
     assemble to the non-streamed reply, `none` gives text, and forced tokens log the masked
     distribution (vLLM masks the logits before its sampler computes processed logprobs)."""

@@ -6,8 +6,8 @@ import asyncio
 
 from pydantic import SecretStr
 
+from app.cli.stack import running_stack
 from app.settings import Settings
-from app.stack import running_stack
 from ingest.events import FeedbackReceived, GenerationLogged
 from ingest.log import read_all
 from simulate.developers import (

@@ -14,8 +14,8 @@ from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
 if TYPE_CHECKING:
-    from simulate.fleet import WorkerOptions
     from simulate.harness import HarnessConfig
+    from simulate.rollout_worker import WorkerOptions
 
 ClipAnchor = Literal["trainer", "behavior"]
 
@@ -84,7 +84,7 @@ class BootstrapSettings(BaseModel):
     eval_every: int = Field(default=10, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
     eval_tasks: int = Field(default=64, ge=1)
-    # worker processes the bootstrap starts on this host (simulate/fleet.py); 0: only the
+    # worker processes the bootstrap starts on this host (simulate/rollout_worker.py); 0: only the
     # `flywheel rollout-worker`s that join from elsewhere. Two even on 2 cores: one worker's
     # sandbox and Python turns leave its engine idle, which the other's fills
     rollout_workers: int = Field(default=2, ge=0)
@@ -119,7 +119,7 @@ class BootstrapSettings(BaseModel):
     def worker_options(self, worker_id: str, *, batch_invariant: bool) -> WorkerOptions:
         """A rollout worker's options at these settings (the bootstrap's own workers and
         `flywheel rollout-worker` alike)."""
-        from simulate.fleet import WorkerOptions
+        from simulate.rollout_worker import WorkerOptions
 
         return WorkerOptions(worker_id=worker_id, groups_in_flight=self.groups_in_flight,
                              torch_threads=self.torch_threads,

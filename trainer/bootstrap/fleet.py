@@ -42,7 +42,7 @@ from ingest.config import KafkaConfig
 from ingest.events import encode
 from ingest.log import EventProducer, TopicReader, ensure_topics
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutSampling
-from simulate.fleet import LocalWorkers
+from simulate.rollout_worker import LocalWorkers
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.policy_publisher import FleetError, PolicyPublisher
 from trainer.bootstrap.task_sampler import TaskSampler
@@ -215,7 +215,7 @@ class RolloutFleet:
         self.ledger.issued[job_id] = job
         self._step_of[job_id] = (step, slot)
         # slots round-robin over the partitions, which the workers' group deals out in turn
-        # (simulate/fleet.py): consecutive jobs go to different workers
+        # (simulate/rollout_worker.py): consecutive jobs go to different workers
         self._producer.send_raw(self.kafka.topics.rollout_jobs, job_id, encode(job),
                                 partition=slot % self._partitions)
 

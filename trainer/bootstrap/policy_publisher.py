@@ -25,7 +25,7 @@ from ingest.log import EventProducer
 from kernels.delta import encode_delta, encode_snapshot
 from kernels.delta.store import ArtifactStore, release_prefix
 from kernels.weights import state_dict_sha256
-from simulate.fleet import MODEL_PREFIX
+from simulate.rollout_worker import MODEL_PREFIX
 
 log = logging.getLogger(__name__)
 

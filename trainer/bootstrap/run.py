@@ -2,7 +2,7 @@
 
 `OfflineTrainer` is the learner (named phases: `forward_backward`, `step`, `state_dict`,
 `close`); the rollouts come from the fleet (trainer/bootstrap/fleet.py: jobs out and groups in over
-Kafka, each policy version out as a delta; simulate/fleet.py: the workers). `run_bootstrap`
+Kafka, each policy version out as a delta; simulate/rollout_worker.py: the workers). `run_bootstrap`
 wires them, evaluates held-out pass@1 before and after, and writes metrics and a plot.
 
     flywheel bootstrap --data-dir data        # see docs/bootstrap.md

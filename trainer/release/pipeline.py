@@ -9,7 +9,7 @@ backwards. The served version ("head") is the newest published release; version 
 model, recorded as a snapshot the first time the pipeline runs.
 
 The weights work is trainer/release/weights.py's. app/ only wires the pipeline: the admin
-routes, the Celery tasks (app/celery_app.py), the online trainer's `PipelineReleaseSink`.
+routes, the Celery tasks (app/jobs/celery_app.py), the online trainer's `PipelineReleaseSink`.
 
     with open_release_context(settings.release_config()) as ctx:
         row = build_release(ctx, candidate=Path("data/checkpoints/latest"))

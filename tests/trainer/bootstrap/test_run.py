@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
+from app.cli.main import main
 
 
 def test_bootstrap_smoke_writes_run_dir_and_json_line(

@@ -1,0 +1,41 @@
+"""`Annotated[..., Depends(...)]` aliases the routes take."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlmodel import Session
+
+from app.api.services import Services
+
+
+async def get_services(request: Request) -> Services:  # async: FastAPI runs a def in a thread
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_db(services: ServicesDep) -> Iterator[Session]:
+    with Session(services.db) as session:
+        yield session
+
+
+DbDep = Annotated[Session, Depends(get_db)]
+_bearer = HTTPBearer(auto_error=False)
+
+
+def require_admin(services: ServicesDep,
+                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+                  ) -> None:
+    expected = services.settings.admin_token.get_secret_value()
+    if creds is None or not hmac.compare_digest(creds.credentials, expected):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "admin bearer token required",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+AdminDep = Annotated[None, Depends(require_admin)]

@@ -1,0 +1,130 @@
+"""HTTP request and response models of the feedback and admin routes.
+
+The OpenAI-compatible inference models live in `app/api/openai_schemas.py`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from ingest.events import (
+    FeedbackKind,
+    FeedbackReceived,
+    check_feedback_subject,
+    check_feedback_value,
+    utcnow,
+)
+
+_Id = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class FeedbackRequest(BaseModel):
+    """What the product sends about one generation (`generation_id`), or its verdict on a
+    whole agent session (`session_id`: every generation of it): exactly one of the two.
+    `occurred_at` null or absent means when received. Unknown fields are ignored.
+
+    The public HTTP contract, apart from the Kafka wire event it becomes (`event()`,
+    `ingest.events.FeedbackReceived`), so that either can change without the other; the two
+    share their rules (`check_feedback_subject`, `check_feedback_value`)."""
+
+    event_id: _Id
+    generation_id: _Id | None = None
+    session_id: _Id | None = None
+    kind: FeedbackKind
+    value: float | None = Field(default=None, strict=True, allow_inf_nan=False)  # a number
+    occurred_at: datetime | None = None
+    source: str = Field(default="api", max_length=64)
+
+    @model_validator(mode="after")
+    def _rules(self) -> FeedbackRequest:
+        check_feedback_subject(self.generation_id, self.session_id)
+        check_feedback_value(self.kind, self.value)
+        return self
+
+    def event(self) -> FeedbackReceived:
+        """The wire event, received now (valid by the same rules, so not validated again)."""
+        now = utcnow()
+        return FeedbackReceived.model_construct(
+            event_id=self.event_id, generation_id=self.generation_id,
+            session_id=self.session_id, kind=self.kind, value=self.value,
+            occurred_at=self.occurred_at or now, received_at=now, source=self.source)
+
+
+class FeedbackAccepted(BaseModel):
+    event_id: str
+    duplicate: bool
+
+
+class FeedbackBatchRequest(BaseModel):
+    """Up to `Settings.feedback_batch_max` events in one signed request."""
+
+    events: list[FeedbackRequest] = Field(min_length=1)
+
+
+class FeedbackBatchAccepted(BaseModel):
+    accepted: int
+    duplicates: int
+    results: list[FeedbackAccepted]
+
+
+class StatusResponse(BaseModel):
+    profile: str
+    model_version: int
+    model_sha256: str
+    system_fingerprint: str
+    kafka_bootstrap: str
+    uptime_s: float
+    completions: int
+    feedback_accepted: int
+    feedback_duplicates: int
+    replica: dict[str, Any] | None = None  # release follower: version, swaps, pauses, refusals
+    trainer: dict[str, Any] | None = None  # online trainer: step, consumed, lag, last release
+    scavenger: dict[str, Any] | None = None  # off-peak rollouts: member, joins, groups made
+
+
+class ReleaseRequest(BaseModel):
+    """`POST /admin/releases`: build a release now (default candidate: the trainer's latest)."""
+
+    candidate: str | None = Field(default=None, min_length=1, max_length=4096,
+                                  description="checkpoint path (HF dir or .safetensors) under "
+                                  "the data dir or the artifact store; default: "
+                                  "release.candidate_path")
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="manual release", max_length=2000)
+
+
+class ReleaseQueued(BaseModel):
+    version: int
+    task_id: str
+    status: str = "queued"
+
+
+class RollbackRequest(BaseModel):
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="manual rollback", max_length=2000)
+
+
+class ReleaseOut(BaseModel):
+    version: int
+    parent: int | None
+    kind: str
+    status: str
+    sha256: str
+    manifest_uri: str | None
+    snapshot_uri: str | None
+    candidate_uri: str | None
+    chain_length: int
+    requested_by: str
+    reason: str
+    eval_summary: dict[str, float | int | str]
+    step_range: list[int] | None
+    generation_ids: list[str]
+    feedback_event_ids: list[str]
+    created_at: datetime
+    published_at: datetime | None
+    rolled_back_at: datetime | None
+    rolled_back_by: str | None
+    rollback_reason: str | None

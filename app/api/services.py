@@ -1,0 +1,70 @@
+"""The long-lived objects a running app holds, created in `lifespan`, replaceable in tests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine as DbEngine
+
+from app.api.feedback_intake import FeedbackIntake
+from app.api.metrics import Metrics
+from app.settings import Settings
+from ingest.config import KafkaConfig
+from ingest.log import EventProducer
+from ingest.session_log import SessionLog
+from serving.engine import Engine
+from serving.live_load import LiveLoad
+
+
+@dataclass
+class Counters:
+    completions: int = 0
+    feedback_accepted: int = 0
+    feedback_duplicates: int = 0
+
+
+@dataclass
+class Services:
+    settings: Settings
+    kafka: KafkaConfig
+    engine: Engine
+    producer: EventProducer
+    db: DbEngine
+    tokenizer: object
+    started_at: float = field(default_factory=time.monotonic)
+    counters: Counters = field(default_factory=Counters)
+    session_log: SessionLog | None = None  # None: completions are produced directly (tests)
+    metrics: Metrics = field(default_factory=Metrics)
+    celery: Any | None = None  # the Celery app release tasks go to; built on first use
+    replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running
+    feedback: FeedbackIntake | None = None  # see feedback_intake()
+    console: Any | None = None  # app.api.console.ConsoleFeeds, see console_feeds()
+    beacon: Any | None = None  # app.api.replicas.ReplicaBeacon: which version this replica serves
+    live: LiveLoad = field(default_factory=LiveLoad)  # users' requests in flight and their rate
+    scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
+
+    def release_tasks(self) -> Any:
+        if self.celery is None:
+            from app.jobs.celery_app import make_celery
+
+            self.celery = make_celery(self.settings)
+        return self.celery
+
+    def feedback_intake(self) -> FeedbackIntake:
+        """The feedback webhooks' group committer (app/api/feedback_intake.py), started on first
+        use."""
+        if self.feedback is None:
+            self.feedback = FeedbackIntake(
+                producer=self.producer, topic=self.kafka.topics.feedback, db=self.db,
+                delivery_timeout_s=self.kafka.delivery_timeout_ms / 1000)
+        return self.feedback
+
+    def console_feeds(self) -> Any:
+        """The console's Kafka-side figures (app/api/console.py), started on first use."""
+        if self.console is None:
+            from app.api.console import ConsoleFeeds
+
+            self.console = ConsoleFeeds(self.settings, self.kafka)
+        return self.console

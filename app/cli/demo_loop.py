@@ -1,0 +1,362 @@
+"""`flywheel demo`: the whole flywheel on one machine, on the real task, measured live.
+
+1. Build the base model (`flywheel init-model`) and bootstrap it: mid-training, then a short
+   GRPO run (trainer/bootstrap/run.py). A bootstrapped model already under the data dir is reused
+   (the demo says so).
+2. Serve it as version 0: the stack (broker, API with the torch engine and its release
+   follower), the join (sessions x feedback -> experiences), the online trainer with the
+   release pipeline as its sink (eval gate: held-out pass@1).
+3. Simulated developers (simulate/developers.py) work on the product split of the tasks
+   through the public HTTP API, one chat completion per agent turn, and send a signed verdict
+   per session. The trainer learns from the joined verdicts and hands its weights to the
+   release pipeline every `release_every_steps` trainer steps; the replica hot-swaps each
+   release while the developers keep working.
+4. When `releases` releases are live and the newest one has served `min_sessions` sessions:
+   a table, a PNG (live acceptance per version, held-out pass@1 per release) and one JSON line
+   {"acceptance_by_version": {...}, "acceptance_gain_points": ..., "held_out_by_version":
+   {...}, "held_out_gain_points": ..., "releases": ..., "failed_requests": ...,
+   "cheating_flagged": ..., "wall_s": ...}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+
+from app.cli.stack import running_stack
+from app.settings import Settings
+from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
+
+# The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
+# with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
+# (docs/bootstrap.md): a start with room to learn on both measures (docs/demo.md has the runs)
+MIDTRAIN_UNTIL = 0.3
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """The demo's budget (`flywheel demo --help` sets each): a quality for version 0 and counts
+    of work after it, so every run starts from a model of the same strength and makes the same
+    training on any machine; only the wall time differs."""
+
+    # a short bootstrap: the model a product would first ship, with room to learn. Mid-training
+    # stops once the model writes the first call of unseen practice tasks with probability
+    # `midtrain_until` at 0.7 (a quality: where the copying of a parameter forms moves with the
+    # CPU's float order), within `midtrain_steps`; None or 0: exactly `midtrain_steps`
+    midtrain_steps: int = 1000
+    midtrain_until: float | None = MIDTRAIN_UNTIL
+    grpo_steps: int = 10
+    releases: int = 4
+    release_every_steps: int = 24  # online trainer steps of `online_batch` experiences
+    online_batch: int = 64
+    min_sessions: int = 500  # served by the newest release before the demo ends (±2 points)
+    max_loop_s: float = 1800.0  # a safety stop for the live loop, far beyond a normal run
+    concurrency: int = 10  # simulated developers at once
+    temperature: float = 0.7  # the developers' agent samples at an editor's temperature
+
+
+def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
+    """The demo's knobs on top of `settings`: the trainer's cadence and batches, the engine's
+    prefix cache (an agent's next turn extends its conversation) and a signing secret."""
+    online = settings.online.model_copy(update={
+        "release_every_steps": plan.release_every_steps, "stop_after_releases": plan.releases,
+        "threads": 1, "lr": 2e-4, "min_batch": plan.online_batch,
+        "max_batch": plan.online_batch, "checkpoint_every_steps": 10})
+    engine = settings.engine.model_copy(update={
+        "threads": 1, "prefix_cache_tokens": DEFAULT_PREFIX_CACHE_TOKENS})
+    bootstrap = settings.bootstrap.model_copy(update={
+        "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
+        "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
+        "max_steps": plan.grpo_steps,
+        "time_budget_s": None, "eval_every": plan.grpo_steps})  # held-out before and after
+    update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}
+    if not settings.feedback_secrets:
+        update["feedback_secrets"] = [SecretStr(secrets.token_hex(16))]
+    return settings.model_copy(update=update)
+
+
+def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]:
+    """The bootstrap's final model under the data dir, built unless it is there already;
+    returns it and the bootstrap's summary (None when reused)."""
+    from trainer.bootstrap.run import run_bootstrap
+    from trainer.init_model import init_model
+
+    run_dir = settings.data_dir / "bootstrap"
+    model = run_dir / "model"
+    if (model / "config.json").exists():
+        print(f"reusing the bootstrapped model in {model} (delete it to bootstrap again)",
+              flush=True)
+        return model, None
+    base = init_model(settings.model, settings.resolved_model_dir)
+    cfg = settings.bootstrap
+    until = "" if cfg.midtrain_until is None else (
+        f" (fewer once unseen tasks' first calls are written with probability "
+        f"{cfg.midtrain_until:.0%} at {cfg.midtrain_check_temperature})")
+    print(f"bootstrap: {cfg.midtrain_steps} mid-training steps{until}, then {cfg.max_steps} "
+          f"GRPO steps", flush=True)
+    summary = run_bootstrap(cfg, base, run_dir, batch_invariant=settings.batch_invariant)
+    details = json.loads((run_dir / "summary.json").read_text())
+    print(f"bootstrap: {details['midtrain_steps']} mid-training steps; held-out pass@1 "
+          f"{summary['pass_at_1_before']:.1%} after them, {summary['pass_at_1_after']:.1%} "
+          f"after GRPO", flush=True)
+    return model, summary
+
+
+def fresh_live_dir(data_dir: Path) -> Path:
+    """`D/live`, emptied: every run's live loop starts from version 0 of the bootstrapped model,
+    with no release, checkpoint, session or ledger of an earlier run."""
+    live = data_dir / "live"
+    if live.exists():
+        print(f"removing the previous run's live state in {live}", flush=True)
+        shutil.rmtree(live)
+    live.mkdir(parents=True)
+    return live
+
+
+class DeveloperThread:
+    """The simulated developers on their own event loop, until `stop` is set."""
+
+    def __init__(self, settings: Settings, base_url: str, plan: DemoPlan) -> None:
+        from simulate.developers import DeveloperPopulation, DeveloperSettings
+        from simulate.tasks import build_task_source
+
+        tasks = build_task_source(settings.bootstrap.tasks).split("product")
+        self.population = DeveloperPopulation(
+            base_url, tasks, secret=settings.feedback_secrets[0].get_secret_value(),
+            settings=DeveloperSettings(concurrency=plan.concurrency,
+                                       harness=settings.bootstrap.harness(
+                                           temperature=plan.temperature)),
+            workdir=settings.data_dir)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="developers", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.population.run(until=self.stop.is_set))
+        except BaseException as exc:  # reported by the demo, which then stops
+            self.error = exc
+
+    def __enter__(self) -> DeveloperThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=300)
+
+
+def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
+    from ingest.join import run_join
+
+    started = time.monotonic()
+    plan = plan or DemoPlan()
+    settings = demo_settings(settings, plan)
+    model_dir, _ = bootstrapped_model(settings)
+    live = fresh_live_dir(settings.data_dir)
+    with running_stack(settings.model_copy(
+            update={"model_dir": model_dir, "data_dir": live})) as stack:
+        s = stack.settings
+        stop = threading.Event()
+        join = threading.Thread(target=run_join, name="join", daemon=True, kwargs={
+            "kafka": stack.kafka, "settings": s.join,
+            "database_url": s.resolved_join_database_url, "stop": stop})
+        join.start()
+        print(f"live: {stack.base_url} serves v0; {plan.concurrency} simulated developers on "
+              f"the product tasks; a release every {plan.release_every_steps} trainer steps",
+              flush=True)
+        watch = LiveView(stack.base_url, s.admin_token.get_secret_value(), plan)
+        try:
+            with TrainerProcess(s) as trainer, \
+                    DeveloperThread(s, stack.base_url, plan) as developers:
+                watch.follow(developers, trainer)
+        finally:
+            stop.set()
+            join.join(timeout=60)
+        releases = watch.releases()
+    return report(settings, developers.population, releases, time.monotonic() - started)
+
+
+class TrainerProcess:
+    """The online trainer with the release pipeline as its sink, in a process of its own as
+    `flywheel train-online` runs in production (its steps then wait for no lock of the API's,
+    the engine's or the developers' Python threads). It stops by itself once `releases`
+    releases were published (`online.stop_after_releases`), or on SIGTERM at the end."""
+
+    def __init__(self, settings: Settings) -> None:
+        import multiprocessing
+
+        from app.cli.processes import train_online_rank
+
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=train_online_rank, args=(settings.model_dump_json(), True), name="trainer",
+            daemon=True)
+
+    def __enter__(self) -> TrainerProcess:
+        self.process.start()
+        return self
+
+    def check(self) -> None:
+        """Raise if the trainer died (a clean exit is its stop after the last release)."""
+        if self.process.exitcode not in (None, 0):
+            raise RuntimeError(f"the online trainer exited with {self.process.exitcode} "
+                               f"(its log is above)")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.is_alive():
+            self.process.terminate()  # SIGTERM: it checkpoints and stops after its step
+        self.process.join(timeout=120)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class LiveView:
+    """The progress display of the live loop, from the product's own admin API."""
+
+    def __init__(self, base_url: str, admin_token: str, plan: DemoPlan) -> None:
+        self.http = httpx.Client(base_url=base_url, timeout=30,
+                                 headers={"Authorization": f"Bearer {admin_token}"})
+        self.plan = plan
+
+    def releases(self) -> list[dict[str, Any]]:
+        reply = self.http.get("/admin/releases", params={"limit": 1000})
+        reply.raise_for_status()
+        return sorted(reply.json(), key=lambda r: r["version"])
+
+    def follow(self, developers: DeveloperThread, trainer: TrainerProcess) -> None:
+        """Until `plan.releases` releases were served and the newest one has served
+        `plan.min_sessions` sessions, or `plan.max_loop_s`."""
+        from tqdm import tqdm
+
+        stats = developers.population.stats
+        started = time.monotonic()
+        seen: set[int] = set()
+        bar = tqdm(total=self.plan.releases, desc="releases", unit="release", dynamic_ncols=True)
+        try:
+            while time.monotonic() - started < self.plan.max_loop_s:
+                if developers.error is not None:
+                    raise developers.error
+                trainer.check()
+                served = self._served_version()
+                for row in self.releases():
+                    if row["version"] > 0 and row["version"] not in seen \
+                            and row["status"] in ("published", "rejected"):
+                        seen.add(row["version"])
+                        bar.write(release_line(row))
+                published = sum(1 for v in stats.by_version if v > 0)
+                bar.n = min(published, self.plan.releases)
+                newest = stats.by_version.get(served)
+                bar.set_postfix_str(
+                    f"v{served} | sessions {stats.sessions} | "
+                    + " ".join(f"v{v}:{s.acceptance:.0%}" for v, s in
+                               sorted(stats.by_version.items())), refresh=True)
+                if published >= self.plan.releases and newest is not None \
+                        and newest.sessions >= self.plan.min_sessions:
+                    break
+                time.sleep(2.0)
+        finally:
+            bar.close()
+
+    def _served_version(self) -> int:
+        reply = self.http.get("/admin/status")
+        reply.raise_for_status()
+        return int(reply.json()["model_version"])
+
+
+def release_line(row: dict[str, Any]) -> str:
+    summary = row.get("eval_summary") or {}
+    figures = ""
+    if "candidate_pass_at_1" in summary:
+        figures = (f" held-out pass@1 {summary['served_pass_at_1']:.1%} -> "
+                   f"{summary['candidate_pass_at_1']:.1%}")
+    return f"release v{row['version']}: {row['status']}{figures} ({row['reason']})"
+
+
+def held_out_by_version(releases: list[dict[str, Any]]) -> dict[int, float]:
+    """Held-out pass@1 of every published version, from the eval gate's figures."""
+    out: dict[int, float] = {}
+    for row in releases:
+        summary = row.get("eval_summary") or {}
+        if "candidate_pass_at_1" not in summary:
+            continue
+        out.setdefault(int(row["parent"]), float(summary["served_pass_at_1"]))
+        if row["status"] in ("published", "rolled_back"):
+            out[int(row["version"])] = float(summary["candidate_pass_at_1"])
+    return dict(sorted(out.items()))
+
+
+def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
+           wall_s: float) -> int:
+    stats = population.stats
+    by = {v: s for v, s in sorted(stats.by_version.items())}
+    held_out = held_out_by_version(releases)
+    print(f"\n{'version':>8} {'sessions':>9} {'accepted':>9} {'rate':>6} {'held-out':>9}")
+    for v, s in by.items():
+        figure = f"{held_out[v]:.1%}" if v in held_out else "-"
+        print(f"{v:>8} {s.sessions:>9} {s.passed:>9} {s.acceptance:>6.1%} {figure:>9}")
+    versions = sorted(by)
+    gain = (by[versions[-1]].acceptance - by[versions[0]].acceptance) * 100 if versions else 0.0
+    held = sorted(held_out)
+    held_gain = (held_out[held[-1]] - held_out[held[0]]) * 100 if held else 0.0
+    plot = plot_demo(population.outcomes, held_out, settings.data_dir / "demo.png")
+    print(f"sessions {stats.sessions} ({stats.turns} completions; {stats.spanning_swap} spanned "
+          f"a hot-swap), feedback sent {stats.feedback_sent}, refused releases "
+          f"{sum(r['status'] == 'rejected' for r in releases)}; plot {plot}")
+    print(json.dumps({
+        "acceptance_by_version": {str(v): round(s.acceptance, 4) for v, s in by.items()},
+        "acceptance_gain_points": round(gain, 1),
+        "held_out_by_version": {str(v): round(p, 4) for v, p in held_out.items()},
+        "held_out_gain_points": round(held_gain, 1),
+        "releases": max(0, len(versions) - 1),
+        "failed_requests": stats.failed_requests,
+        "cheating_flagged": stats.cheating_flagged,
+        "wall_s": round(wall_s, 1)}))
+    return 0
+
+
+def plot_demo(outcomes: list[Any], held_out: dict[int, float], path: Path, *,
+              window: int = 150) -> Path | None:
+    """Live acceptance per served version over time (a rolling mean of `window` sessions,
+    dashed: the version's whole mean) and held-out pass@1 per version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not outcomes:
+        return None
+    t0 = outcomes[0].finished_at
+    fig, (live, gate) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+    for version in sorted({o.version for o in outcomes if o.version is not None}):
+        mine = [o for o in outcomes if o.version == version]
+        passed = [float(o.passed) for o in mine]
+        times = [o.finished_at - t0 for o in mine]
+        start = min(30, len(mine) - 1)  # a rolling mean of a handful is noise
+        spans = [passed[max(0, i - window + 1):i + 1] for i in range(start, len(mine))]
+        rolling = [sum(span) / len(span) for span in spans]
+        line, = live.plot(times[start:], rolling, label=f"v{version} ({len(mine)} sessions)")
+        live.hlines(sum(passed) / len(passed), times[0], times[-1], colors=line.get_color(),
+                    linestyles="dashed")
+    live.set(xlabel="live loop time (s)",
+             ylabel=f"sessions whose tests pass (rolling {window})", ylim=(0, 1),
+             title="Live acceptance of simulated developers, per served version")
+    live.legend(loc="upper left")
+    versions = sorted(held_out)
+    bars = gate.bar([f"v{v}" for v in versions], [held_out[v] for v in versions])
+    gate.bar_label(bars, labels=[f"{held_out[v]:.0%}" for v in versions])
+    gate.set(ylim=(0, 1), ylabel="held-out pass@1 (greedy)", title="Eval gate, per version")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,288 @@
+"""`flywheel`: one CLI for every part. `--help` answers without importing torch.
+
+    flywheel init-model [--large] [--out DIR]   build the default tiny Qwen3-MoE + tokenizer
+    flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
+    flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
+    flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
+    flywheel train-online [--nproc N]           experiences -> policy updates -> releases
+    flywheel bootstrap [--nproc N] [--kafka K]  mid-training + GRPO on verifiable tasks, JSON
+    flywheel rollout-worker --kafka K --store U  one more rollout worker for a bootstrap's fleet
+
+Settings come from FLYWHEEL_* variables; the flags here override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
+from app.settings import Settings, absolute, absolute_store_url
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    if getattr(args, "data_dir", None) is not None:
+        overrides["data_dir"] = args.data_dir
+    if getattr(args, "port", None) is not None:
+        overrides["port"] = args.port
+    if getattr(args, "host", None) is not None:
+        overrides["host"] = args.host
+    return Settings(**overrides)
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from trainer.config import TinyMoeSettings
+    from trainer.init_model import init_model
+
+    settings = _settings(args)
+    shape = TinyMoeSettings.large() if args.large else settings.model
+    out = init_model(shape, absolute(args.out) if args.out else settings.resolved_model_dir,
+                     overwrite=args.overwrite)
+    print(f"model ready in {out}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from app.cli.stack import running_stack
+
+    settings = _settings(args)
+    stop = stop_on_signals()
+    with running_stack(settings) as stack:
+        print(f"READY {stack.base_url} kafka={stack.kafka.bootstrap}", flush=True)
+        stop.wait()
+    return 0
+
+
+def cmd_train_online(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings.kafka_bootstrap is None:
+        print("flywheel train-online: set FLYWHEEL_KAFKA_BOOTSTRAP", file=sys.stderr)
+        return 2
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if args.nproc is None:  # one process, or one rank of a world torchrun started
+        return train_online_rank(settings.model_dump_json(), not args.no_release)
+    from trainer.distributed import launch
+
+    launch(args.nproc, train_online_rank, settings.model_dump_json(), not args.no_release,
+           max_restarts=settings.online.max_restarts)
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from app.heap import settle_heap
+    from ingest.join import run_join
+
+    settings = _settings(args)
+    kafka = args.kafka or settings.kafka_bootstrap
+    if kafka is None:
+        print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --kafka", file=sys.stderr)
+        return 2
+    stop = stop_on_signals()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settle_heap()
+    run_join(settings.kafka_config(kafka), settings.join,
+             database_url=settings.resolved_join_database_url, stop=stop)
+    return 0
+
+
+# `flywheel demo`'s flags: each sets the `DemoPlan` field it names (its default in the help)
+DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--midtrain-steps": ("midtrain_steps", int, "the bootstrap's most mid-training steps"),
+    "--midtrain-until": ("midtrain_until", float, "stop mid-training once unseen tasks' first "
+                         "calls are written with this probability at 0.7 (0: run "
+                         "--midtrain-steps exactly)"),
+    "--grpo-steps": ("grpo_steps", int, "the bootstrap's GRPO steps"),
+    "--releases": ("releases", int, "releases to hot-swap in the loop"),
+    "--release-every-steps": ("release_every_steps", int,
+                              "online trainer steps between releases"),
+    "--online-batch": ("online_batch", int, "experiences per online trainer step"),
+    "--min-sessions": ("min_sessions", int,
+                       "sessions the newest release serves before the demo ends"),
+    "--developers": ("concurrency", int, "simulated developers at once"),
+    "--temperature": ("temperature", float, "the developers' sampling temperature"),
+    "--loop-seconds": ("max_loop_s", float,
+                       "a safety stop: most seconds of live traffic, whatever was reached"),
+}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from app.cli.demo import run_demo
+
+    interrupt_on_sigterm()  # the broker, trainer and developers go down with it
+    settings = _settings(args)
+    if args.port is None:  # a demo must not collide with a running `flywheel up`
+        settings = settings.model_copy(update={"port": 0})
+    if args.smoke:
+        return run_demo(settings, completions=args.completions)
+    from app.cli.demo_loop import DemoPlan, run_demo_loop
+
+    plan = DemoPlan(**{field: getattr(args, field) for field, _, _ in DEMO_FLAGS.values()
+                       if getattr(args, field) is not None})
+    return run_demo_loop(settings, plan)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    import time
+
+    settings = _settings(args)
+    overrides = {k: v for k, v in (("max_steps", args.max_steps),
+                                   ("time_budget_s", args.time_budget_s),
+                                   ("midtrain_steps", args.midtrain_steps),
+                                   ("midtrain_until", args.midtrain_until),
+                                   ("mode", args.mode)) if v is not None}
+    cfg = settings.bootstrap.model_copy(update=overrides)
+    run_dir = absolute(args.run_dir) if args.run_dir else cfg.run_dir or (
+        settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
+    from trainer.init_model import init_model  # torch from here on
+
+    model_dir = settings.resolved_model_dir
+    if settings.model_dir is None:
+        init_model(settings.model, model_dir)
+    bootstrap = args.kafka or settings.kafka_bootstrap  # None: an embedded broker for the run
+    interrupt_on_sigterm()  # its broker and rollout workers go down with it
+    kafka = settings.kafka_config(bootstrap).model_dump_json() if bootstrap else None
+    job = (cfg.model_dump_json(), str(model_dir), str(run_dir), not args.no_progress,
+           settings.batch_invariant, settings.trackers.model_dump_json(), kafka)
+    if args.nproc is None:  # one process, or one rank of a world torchrun started
+        return bootstrap_rank(*job)
+    from trainer.distributed import launch
+
+    launch(args.nproc, bootstrap_rank, *job, max_restarts=0)
+    return 0
+
+
+def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
+                   batch_invariant: bool, trackers_json: str | None = None,
+                   kafka_json: str | None = None) -> int:
+    """One rank of `flywheel bootstrap` (the whole of it in the one-process world): the
+    leader runs the bootstrap and prints its JSON line, the others follow its training."""
+    import json
+
+    from ingest.config import KafkaConfig
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import run_bootstrap
+    from trainer.distributed import join_world, leave_world
+    from trainer.trackers import TrackerSettings
+
+    # the launcher stops the ranks with SIGTERM when one fails: the leader's broker and
+    # rollout workers go with it
+    interrupt_on_sigterm()
+    cfg = BootstrapSettings.model_validate_json(cfg_json)
+    trackers = TrackerSettings.model_validate_json(trackers_json or "{}")
+    world = join_world(timeout_s=1800.0)  # the others wait in one while the leader evaluates
+    try:
+        summary = run_bootstrap(cfg, Path(model_dir), Path(run_dir), progress=progress,
+                                batch_invariant=batch_invariant, world=world,
+                                trackers=trackers, kafka=KafkaConfig.model_validate_json(
+                                    kafka_json) if kafka_json else None)
+    finally:
+        leave_world(world)
+    if world.leader:
+        print(f"run dir: {run_dir}", file=sys.stderr)
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+def cmd_rollout_worker(args: argparse.Namespace) -> int:
+    from simulate.rollout_worker import WorkerLaunch, host_worker_id, run_worker
+
+    settings = _settings(args)
+    bootstrap = args.kafka or settings.kafka_bootstrap
+    if not bootstrap:
+        print("flywheel rollout-worker: give the bootstrap's broker (--kafka or "
+              "FLYWHEEL_KAFKA_BOOTSTRAP)", file=sys.stderr)
+        return 2
+    cfg = settings.bootstrap
+    store = absolute_store_url(args.store) if args.store else cfg.policy_store_url
+    if not store:
+        print("flywheel rollout-worker: give the bootstrap's policy store (--store or "
+              "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)", file=sys.stderr)
+        return 2
+    options = cfg.worker_options(args.worker_id or host_worker_id(),
+                                 batch_invariant=settings.batch_invariant)
+    logging.getLogger("simulate").setLevel(logging.INFO)
+    logging.getLogger("serving").setLevel(logging.INFO)
+    run_worker(WorkerLaunch(kafka=settings.kafka_config(bootstrap), store_url=store,
+                            options=options), stop_on_signals())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from app.cli.demo_loop import DemoPlan  # its defaults, in the help (no torch imported)
+
+    parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--data-dir", type=Path, help="all state lives here (default: data)")
+        return p
+
+    p = with_common(sub.add_parser("init-model", help="build the default model locally"))
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--large", action="store_true",
+                   help="the same family at ~124M parameters (a speed check where compute "
+                        "matters) instead of FLYWHEEL_MODEL__* (the tiny default)")
+    p.add_argument("--out", type=Path, help="where to write it (default: the model dir)")
+    p.set_defaults(func=cmd_init_model)
+    p = with_common(sub.add_parser("up", help="start broker + API on this machine"))
+    p.add_argument("--port", type=int)
+    p.add_argument("--host")
+    p.set_defaults(func=cmd_up)
+    p = with_common(sub.add_parser("train-online", help="train on live feedback, release"))
+    p.add_argument("--no-release", action="store_true", help="train and checkpoint only")
+    p.add_argument("--nproc", type=int, help="shard the trainer over N local ranks (FSDP2; "
+                   "gloo on CPU, NCCL on GPUs); under torchrun, leave it out")
+    p.set_defaults(func=cmd_train_online)
+    p = with_common(sub.add_parser("join", help="join sessions with feedback into experiences"))
+    p.add_argument("--kafka", metavar="SERVERS",
+                   help="Kafka bootstrap servers (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    p.set_defaults(func=cmd_join)
+    p = with_common(sub.add_parser("bootstrap", help="mid-train + GRPO on verifiable tasks"))
+    p.add_argument("--run-dir", type=Path, help="default: <data-dir>/runs/bootstrap-<time>")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--time-budget-s", type=float, help="GRPO wall budget")
+    p.add_argument("--midtrain-steps", type=int)
+    p.add_argument("--midtrain-until", type=float, help="stop mid-training early once unseen "
+                   "tasks' first calls are written with this probability (at 0.7)")
+    p.add_argument("--mode", choices=["async", "sync"])
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=int, help="shard the learner over N local ranks (FSDP2); "
+                   "under torchrun, leave it out")
+    p.add_argument("--kafka", metavar="SERVERS", help="the fleet's broker (default: "
+                   "FLYWHEEL_KAFKA_BOOTSTRAP, else an embedded one for the run)")
+    p.set_defaults(func=cmd_bootstrap)
+    p = with_common(sub.add_parser("rollout-worker", help="make rollout groups for a bootstrap "
+                                   "(jobs from Kafka, policy versions from the store)"))
+    p.add_argument("--kafka", metavar="SERVERS",
+                   help="the bootstrap's broker (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    p.add_argument("--store", metavar="URL", help="the bootstrap's policy store (default: "
+                   "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)")
+    p.add_argument("--worker-id", help="default: <hostname>-<pid>")
+    p.set_defaults(func=cmd_rollout_worker)
+    p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
+    p.add_argument("--completions", type=int, default=4, help="with --smoke")
+    p.add_argument("--smoke", action="store_true",
+                   help="only exercise the API and Kafka (no training loop)")
+    plan = DemoPlan()
+    for flag, (field, kind, text) in DEMO_FLAGS.items():
+        p.add_argument(flag, type=kind, dest=field, metavar="N" if kind is int else "X",
+                       help=f"{text} ({getattr(plan, field)})")
+    p.add_argument("--port", type=int, help="API port (default: a free one)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    # kafka-python logs every refused connection while the embedded broker boots.
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
