@@ -4,7 +4,6 @@ commit without producing twice."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from typing import get_args
@@ -25,13 +24,7 @@ from ingest.feedback_rewards import reward_for
 from ingest.join import Join
 from ingest.log import EventProducer, read_all
 from tests.ingest.conftest import Clock
-
-
-def run_until(join: Join, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"join did not get there: {join.stats}"
-        join.step()
+from tests.ingest.helpers import run_until
 
 
 def feedback(generation_id: str, kind: str = "accept", **fields: object) -> FeedbackReceived:

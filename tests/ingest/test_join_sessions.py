@@ -26,7 +26,7 @@ from ingest.join import Join
 from ingest.join_sessions import Turn, covered_turns, turn_plan
 from ingest.log import EventProducer, read_all
 from tests.ingest.conftest import Clock
-from tests.ingest.test_join import run_until
+from tests.ingest.helpers import run_until
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -19,7 +19,7 @@ from ingest.events import ReleasePublished
 from ingest.log import read_all
 from simulate.sandbox import SandboxJob, SandboxResult
 from tests.conftest import require_service
-from tests.trainer.release.test_pipeline import make_checkpoint
+from tests.trainer.helpers import make_checkpoint
 from trainer.release.config import HeldOutLossEval
 from trainer.release.pipeline import Release
 

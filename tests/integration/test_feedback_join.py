@@ -11,14 +11,9 @@ nothing else is missing.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -40,6 +35,7 @@ from ingest.events import (
 from ingest.feedback_rewards import reward_for
 from ingest.log import EventProducer, read_raw
 from ingest.signing import SIGNATURE_HEADER, sign
+from tests.integration.helpers import JoinProcess, wait_until
 
 pytestmark = pytest.mark.integration
 SECRET = "integration-secret"
@@ -52,40 +48,6 @@ def experience_count(kafka: KafkaConfig) -> int:
     return len(read_raw(kafka, kafka.topics.experiences, quiet_ms=200))
 
 
-class JoinProcess:
-    """`python -m app.cli join` as a subprocess, stopped by the PID it holds."""
-
-    def __init__(self, settings: Settings, data_dir: Path, group: str, database: Path, *,
-                 env: dict[str, str] | None = None) -> None:
-        topics = settings.topics
-        self.env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
-                    "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_JOIN__GROUP_ID": group,
-                    "FLYWHEEL_JOIN__DATABASE_URL": f"sqlite:///{database}",
-                    **{f"FLYWHEEL_TOPICS__{name.upper()}": getattr(topics, name)
-                       for name in ("sessions", "feedback", "experiences", "dlq")},
-                    **(env or {})}
-        self.log = data_dir / "join.log"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.process: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "app.cli", "join"],
-                                            env=self.env, stdout=out, stderr=subprocess.STDOUT)
-
-    def kill(self) -> None:
-        assert self.process is not None and self.process.poll() is None, self.log.read_text()
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> str:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
-        return self.log.read_text()
-
-
 def missing_detail(kafka: KafkaConfig, matched: dict[str, dict], real: list[str]) -> str:
     have = {ExperienceReady.model_validate_json(v).feedback_event_ids[0]
             for _, v in read_raw(kafka, kafka.topics.experiences)}
@@ -93,14 +55,6 @@ def missing_detail(kafka: KafkaConfig, matched: dict[str, dict], real: list[str]
     sessions = {k for k, _ in read_raw(kafka, kafka.topics.sessions)}
     return (f"{len(gone)} missing, e.g. {gone[:3]}; real {real}; "
             f"their sessions logged: {[g.encode() in sessions for g in real]}")
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0,
-             detail: Callable[[], str] = str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {detail()}"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("members", [1, 2])
@@ -188,7 +142,7 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path,
                                   else kafka.topics.sessions, "g", raw)
             produce_sessions(synthetic[:700])
             send_feedback(thirds[1])
-            wait_for(lambda: experience_count(kafka) > 300, "experiences")
+            wait_until(lambda: experience_count(kafka) > 300, "experiences")
             joins[0].kill()
             joins[0].start()
             produce_sessions(synthetic[700:])
@@ -198,7 +152,7 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path,
                 producer.send_raw(kafka.topics.sessions, "g", raw)
             producer.flush()
             before = experience_count(kafka)
-            wait_for(lambda: experience_count(kafka) > before + 200,
+            wait_until(lambda: experience_count(kafka) > before + 200,
                      "experiences after the first restart")
             joins[-1].kill()
             send_feedback(thirds[2])
@@ -206,7 +160,7 @@ def test_feedback_join_survives_sigkill(settings: Settings, tmp_path: Path,
 
             matched = {e["event_id"]: e for e in events if e["generation_id"] not in orphans}
             # Tansu's end offsets can trail the last record of a batch: count what is there.
-            wait_for(lambda: len({k for k, _ in read_raw(kafka, kafka.topics.experiences)})
+            wait_until(lambda: len({k for k, _ in read_raw(kafka, kafka.topics.experiences)})
                      >= len(matched),
                      f"{len(matched)} experiences", timeout_s=60,
                      detail=lambda: missing_detail(kafka, matched, real))

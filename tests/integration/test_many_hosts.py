@@ -35,8 +35,8 @@ from tests.integration.fleet_helpers import (
     worker_command,
     worker_env,
 )
+from tests.integration.helpers import swapped_to
 from tests.integration.netns import Hosts, hosts, missing_privileges
-from tests.integration.test_releases import swapped_to
 from trainer.release.weights import base_weights
 
 REPO = Path(__file__).resolve().parents[2]

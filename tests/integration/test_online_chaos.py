@@ -26,14 +26,11 @@ import torch
 
 from app.settings import Settings
 from ingest.config import KafkaConfig
-from ingest.log import EventProducer
-from tests.trainer.online.test_trainer import make_experiences
+from tests.integration.helpers import DUPLICATES, EXPERIENCES, produce_experiences
 from trainer.checkpoint import CheckpointStore
 from trainer.online.trainer import OnlineTrainer
 
 KILLS = 20
-EXPERIENCES = 160
-DUPLICATES = 6
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,24 +68,12 @@ def _settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"online": online})
 
 
-def _produce(kafka: KafkaConfig, model_dir: Path) -> list:
-    experiences = make_experiences(model_dir, EXPERIENCES, seed=7)
-    producer = EventProducer(kafka, client_id="chaos-test")
-    rng = random.Random(3)
-    replays = rng.sample(experiences, DUPLICATES)
-    for exp in experiences + replays:
-        producer.send(kafka.topics.experiences, exp.experience_id, exp)
-    producer.flush(timeout_s=30)
-    producer.close()
-    return experiences
-
-
 @pytest.mark.timeout(300)
 def test_sigkill_twenty_times_trains_each_experience_once_and_bitwise(
         settings: Settings, kafka: KafkaConfig, model_dir: Path) -> None:
     started = time.monotonic()
     settings = _settings(settings)
-    experiences = _produce(kafka, model_dir)
+    experiences = produce_experiences(kafka, model_dir)
     produced_s = time.monotonic() - started
     by_id = {e.experience_id: e for e in experiences}
     zygote = subprocess.Popen([sys.executable, __file__, "--zygote", settings.model_dump_json()],

@@ -24,7 +24,7 @@ import pytest
 
 from app.settings import Settings
 from ingest.config import KafkaConfig
-from tests.integration.test_online_chaos import _produce
+from tests.integration.helpers import produce_experiences
 from trainer.checkpoint import CheckpointStore
 
 KILLS = 10
@@ -74,7 +74,7 @@ def _wait_for_step_past(store: CheckpointStore, step: int, agent: subprocess.Pop
 @pytest.mark.timeout(600)
 def test_sigkill_a_rank_ten_times_trains_each_experience_once(
         settings: Settings, kafka: KafkaConfig, model_dir: Path) -> None:
-    experiences = _produce(kafka, model_dir)
+    experiences = produce_experiences(kafka, model_dir)
     online = {"min_batch": 4, "max_batch": 4, "deterministic": True, "lr": 1e-3,
               "stop_after": EXPERIENCES, "poll_timeout_ms": 100, "group_id": "chaos-sharded",
               "max_restarts": KILLS + 2, "collective_timeout_s": 60}

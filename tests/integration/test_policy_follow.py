@@ -18,7 +18,7 @@ from kernels.weights import state_dict_sha256
 from serving.release_subscriber import ReleaseSubscriber
 from serving.torch_engine import TorchEngine
 from simulate.rollout_worker import load_policy
-from tests.integration.test_releases import wait_for
+from tests.integration.helpers import wait_for
 from trainer.bootstrap.policy_publisher import PolicyPublisher, model_files
 from trainer.policy import Policy
 

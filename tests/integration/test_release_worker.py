@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import flywheel_up
-from tests.trainer.release.test_pipeline import make_checkpoint
+from tests.trainer.helpers import make_checkpoint
 
 pytestmark = pytest.mark.integration
 TOKEN = "release-worker-test-token"

@@ -9,14 +9,11 @@ announced: the replica refuses it and keeps serving.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from app.cli.stack import running_stack
 from app.settings import Settings
@@ -26,76 +23,12 @@ from kernels.delta import encode_delta
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
-from tests.trainer.release.test_pipeline import make_checkpoint
+from tests.integration.helpers import Load, release_candidate, replica_status, swapped_to, wait_for
+from tests.trainer.helpers import make_checkpoint
 from trainer.release.config import HeldOutLossEval
 from trainer.release.weights import load_model
 
 pytestmark = pytest.mark.integration
-CLIENTS = 16
-
-
-class Load:
-    """16 concurrent chat clients on their own event loop, recording every outcome."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.stop = threading.Event()
-        self.fingerprints: list[str] = []
-        self.failures: list[str] = []
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _client(self, http: httpx.AsyncClient, i: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            try:
-                r = await http.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": f"def f{i}_{n}(x):"}],
-                    "max_tokens": 4, "temperature": 0.8})
-            except httpx.HTTPError as exc:
-                self.failures.append(f"client {i}: {exc!r}")
-                continue
-            if r.status_code != 200:
-                self.failures.append(f"client {i}: {r.status_code} {r.text[:200]}")
-            else:
-                self.fingerprints.append(r.json()["system_fingerprint"])
-
-    async def _main(self) -> None:
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=120) as http:
-            await asyncio.gather(*(self._client(http, i) for i in range(CLIENTS)))
-
-
-def wait_for(predicate, what: str, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def replica_status(http: httpx.Client) -> dict:
-    return http.get("/admin/status").json()["replica"]
-
-
-def swapped_to(http: httpx.Client, version: int, timeout_s: float = 60.0) -> dict:
-    """The replica's status once its last swap is to `version`."""
-    return wait_for(lambda: (s := replica_status(http))["last_swap"] is not None
-                    and s["last_swap"]["version"] == version and s, f"swap to v{version}",
-                    timeout_s)
-
-
-def release_candidate(http: httpx.Client, model_dir: Path, ckpt: Path, *, seed: int,
-                      reason: str, scale: float = 1e-3,
-                      base: dict[str, torch.Tensor] | None = None
-                      ) -> tuple[int, dict[str, torch.Tensor]]:
-    """A trainer checkpoint (`base` plus seeded noise) at `ckpt`, released through the admin
-    API: (the version it will be, its weights)."""
-    weights = make_checkpoint(model_dir, ckpt, scale=scale, seed=seed, base=base)
-    r = http.post("/admin/releases", json={"candidate": str(ckpt), "reason": reason})
-    assert r.status_code == 202, r.text
-    return r.json()["version"], weights
 
 
 def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: Path,

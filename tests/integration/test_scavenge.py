@@ -18,7 +18,7 @@ from app.settings import Settings
 from ingest.config import KafkaConfig
 from simulate.scavenge import ScavengeSettings
 from tests.integration.fleet_helpers import Training, start_worker, worker_env
-from tests.integration.test_releases import wait_for
+from tests.integration.helpers import wait_for
 
 
 def messages(caplog: pytest.LogCaptureFixture, pattern: str) -> list[re.Match[str]]:

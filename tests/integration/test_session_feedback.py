@@ -25,7 +25,7 @@ from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady, GenerationLogged, experience_id_for
 from ingest.log import EventProducer, read_all, read_raw
 from ingest.signing import SIGNATURE_HEADER, sign
-from tests.integration.test_feedback_join import JoinProcess, wait_for
+from tests.integration.helpers import JoinProcess, wait_until
 
 pytestmark = pytest.mark.integration
 SECRET = "session-secret"
@@ -58,7 +58,7 @@ def test_one_verdict_judges_every_turn_of_a_session_once(settings: Settings,
             turns.append(r.json()["id"])
             messages += [r.json()["choices"][0]["message"],
                          {"role": "user", "content": f"and now step {i + 1}"}]
-        wait_for(lambda: len(logged(kafka, turns)) == 3, "the session's three generations")
+        wait_until(lambda: len(logged(kafka, turns)) == 3, "the session's three generations")
         generations = logged(kafka, turns)
         assert {g.session_id for g in generations} == {session_id}
         assert len({g.created_at for g in generations}) == 3
@@ -76,7 +76,7 @@ def test_one_verdict_judges_every_turn_of_a_session_once(settings: Settings,
         try:
             first = post(verdict)
             assert first.status_code == 202 and first.json()["duplicate"] is False, first.text
-            wait_for(lambda: len(experience_records(kafka)) >= 3, "three experiences",
+            wait_until(lambda: len(experience_records(kafka)) >= 3, "three experiences",
                      detail=lambda: join.log.read_text()[-2000:])
             time.sleep(1.0)  # a fourth would land now if the join were to make one
             experiences = experience_records(kafka)

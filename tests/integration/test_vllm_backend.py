@@ -27,24 +27,20 @@ from ingest.config import KafkaConfig
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.vllm_engine import CPU_NO_ROUTES, on_gpu
-from tests.app.api.test_completions import chat, check_disconnect_cancels
-from tests.app.api.test_openai_client import check_openai_client, wait_for_sessions
-from tests.app.api.test_tools import (
+from tests.app.api.helpers import (
     TOOLS,
     USER,
+    chat,
+    check_disconnect_cancels,
     check_forced_tokens_logprobs,
+    check_openai_client,
     check_required_and_named_choices,
     check_streamed_calls_match,
     check_tools_reach_the_prompt,
+    wait_for_sessions,
 )
 from tests.conftest import flywheel_up
-from tests.integration.test_releases import (
-    Load,
-    release_candidate,
-    replica_status,
-    swapped_to,
-    wait_for,
-)
+from tests.integration.helpers import Load, release_candidate, replica_status, swapped_to, wait_for
 from trainer.release.weights import load_model
 
 pytestmark = pytest.mark.integration

@@ -19,13 +19,7 @@ from kernels.moe_replay import (
     replay_routes,
     stack_routes,
 )
-from tests.kernels.test_batch_invariant import (
-    DEVICES,
-    decode_logprobs,
-    one_thread,  # noqa: F401  (autouse fixture)
-    random_sequences,
-    tiny_model,
-)
+from tests.kernels.helpers import DEVICES, decode_logprobs, random_sequences, tiny_model
 
 
 def olmoe() -> torch.nn.Module:

@@ -88,7 +88,7 @@ def test_cpu_tensors_keep_the_aten_ops() -> None:
 
 
 def test_switch_refuses_devices_without_kernels() -> None:
-    from tests.kernels.test_batch_invariant import tiny_model
+    from tests.kernels.helpers import tiny_model
 
     with pytest.raises(BatchInvariantUnsupported, match="meta"):
         enable_batch_invariant(tiny_model().to("meta"))
@@ -107,7 +107,7 @@ def test_triton_kernels_on_gpu() -> None:
 def test_model_logprobs_are_batch_invariant_on_gpu() -> None:
     """The switch on a CUDA model: a sequence's logprobs alone equal those inside a padded
     batch of another size (full-sequence forwards)."""
-    from tests.kernels.test_batch_invariant import random_sequences, tiny_model
+    from tests.kernels.helpers import random_sequences, tiny_model
 
     model = enable_batch_invariant(tiny_model().cuda())
     seqs, _ = random_sequences(9, seed=5)

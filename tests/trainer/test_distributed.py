@@ -26,7 +26,7 @@ import torch
 from ingest.events import ExperienceReady
 from kernels.delta import apply_delta, encode_delta
 from kernels.weights import state_dict_sha256
-from tests.trainer.online.test_trainer import make_experiences
+from tests.trainer.helpers import make_experiences
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.run import OfflineTrainer
 from trainer.distributed import World, join_world, launch, leave_world

@@ -10,7 +10,7 @@ import pytest
 
 from app.settings import Settings
 from ingest.log import EventProducer
-from tests.trainer.online.test_trainer import make_experiences
+from tests.trainer.helpers import make_experiences
 from trainer.trackers import TrackerSettings, metric_name, scalars
 
 STEPS = 2

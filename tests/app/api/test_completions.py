@@ -4,7 +4,6 @@ and a client that disconnects mid-stream cancelling (and logging) its generation
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,13 +12,10 @@ import pytest
 
 from app.cli.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
-from ingest.config import KafkaConfig
-from ingest.events import GenerationLogged
-from ingest.log import read_all
+from tests.app.api.helpers import CHAT, chat, check_disconnect_cancels
 from tests.conftest import stack_settings
 
 pytestmark = pytest.mark.integration
-CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +31,6 @@ def stack(broker: EmbeddedBroker, model_dir: Path, tmp_path_factory: pytest.Temp
 def http(stack: RunningStack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.base_url, timeout=60) as client:
         yield client
-
-
-def chat(content: str = "hi", **extra: object) -> dict[str, object]:
-    return {"model": "flywheel", "messages": [{"role": "user", "content": content}], **extra}
 
 
 @pytest.mark.parametrize("body, status, param, code", [
@@ -117,19 +109,3 @@ def test_disconnect_cancels_and_logs_the_partial_generation(stack: RunningStack,
     check_disconnect_cancels(http, stack.kafka)
 
 
-def check_disconnect_cancels(http: httpx.Client, kafka: KafkaConfig) -> None:
-    """A streaming client that goes away after one token: logged as cancelled, partial."""
-    with http.stream("POST", CHAT, json=chat(max_tokens=64, stream=True)) as r:
-        generation_id = r.headers["X-Flywheel-Generation-Id"]
-        for line in r.iter_lines():
-            if '"content":"' in line and '"role"' not in line:
-                break  # one token seen; the client goes away
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        logged = [e for e in read_all(kafka, kafka.topics.sessions,
-                                      GenerationLogged) if e.generation_id == generation_id]
-        if logged:
-            break
-        time.sleep(0.2)
-    assert [e.finish_reason for e in logged] == ["cancelled"]
-    assert 1 <= len(logged[0].completion_token_ids) < 64

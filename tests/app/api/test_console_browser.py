@@ -24,8 +24,7 @@ from app.settings import Settings
 from ingest.log import EventProducer
 from ingest.sql import open_database
 from tests.conftest import flywheel_up
-from tests.trainer.online.test_trainer import make_experiences
-from tests.trainer.release.test_pipeline import make_checkpoint
+from tests.trainer.helpers import make_checkpoint, make_experiences
 
 pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.cli.stack import running_stack
 from app.settings import Settings
-from tests.trainer.online.test_trainer import make_experiences
+from tests.trainer.helpers import make_experiences
 from trainer.online.config import OnlineTrainerSettings
 from trainer.online.control import SqlTrainerControl, open_control_db
 from trainer.online.trainer import OnlineTrainer

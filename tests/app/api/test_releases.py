@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from app.api.main import create_app
 from app.settings import Settings
-from tests.trainer.release.test_pipeline import make_checkpoint
+from tests.trainer.helpers import make_checkpoint
 
 
 def test_release_routes_need_the_token_and_answer_with_reasons(settings: Settings,

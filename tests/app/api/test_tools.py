@@ -5,34 +5,28 @@ a 400 naming the field, and broken calls the model writes are content and counte
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 import openai
 import pytest
 
 from app.cli.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
+from tests.app.api.helpers import (
+    NAMED,
+    TOOLS,
+    USER,
+    check_forced_tokens_logprobs,
+    check_required_and_named_choices,
+    check_streamed_calls_match,
+    check_tools_reach_the_prompt,
+)
 from tests.conftest import stack_settings
 
 pytestmark = pytest.mark.integration
-
-OPEN_FILE = {"type": "object", "properties": {
-    "path": {"type": "string", "enum": ["solution.py", "tests/test_solution.py"]},
-    "line": {"type": "integer", "minimum": 1, "maximum": 99},
-    "fast": {"type": "boolean"}}, "required": ["path", "line"]}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "open_file", "description": "Open a file.",
-                                      "parameters": OPEN_FILE}},
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the tests.",
-                                      "parameters": {"type": "object", "properties": {}}}}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-USER = [{"role": "user", "content": "Open the solution, then run the tests."}]
-NAMED: Any = {"type": "function", "function": {"name": "open_file"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,82 +41,6 @@ def stack(broker: EmbeddedBroker, model_dir: Path, tmp_path_factory: pytest.Temp
 @pytest.fixture
 def client(stack: RunningStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
-
-
-def valid_call(call: Any) -> bool:
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, SCHEMAS[call.function.name])
-    return True
-
-
-# ---- checks both backends run (tests/integration/test_vllm_backend.py: the vLLM one) -----
-def check_tools_reach_the_prompt(client: openai.OpenAI) -> None:
-    plain = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1)
-    tooled = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1,
-                                            tools=TOOLS)
-    hidden = client.chat.completions.create(model="flywheel", messages=USER, max_tokens=1,
-                                            tools=TOOLS, tool_choice="none")
-    assert plain.usage and tooled.usage and hidden.usage
-    assert tooled.usage.prompt_tokens > plain.usage.prompt_tokens + 30
-    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens  # "none" hides them
-
-
-def check_required_and_named_choices(client: openai.OpenAI, requests: int) -> None:
-    """An untrained model at temperature 1: every reply is a valid call. With parallel calls
-    allowed it may start another and be cut by max_tokens (the cut one is content)."""
-    for seed in range(requests):
-        choice: Any = NAMED if seed % 3 == 0 else "required"
-        parallel = seed % 3 == 2
-        reply = client.chat.completions.create(
-            model="flywheel", messages=USER, tools=TOOLS, tool_choice=choice, temperature=1.0,
-            seed=seed, max_tokens=128, parallel_tool_calls=parallel)
-        c = reply.choices[0]
-        calls = c.message.tool_calls or []
-        assert calls and all(valid_call(call) for call in calls), (seed, c.message)
-        if not parallel:
-            assert c.finish_reason == "tool_calls" and len(calls) == 1, (seed, c)
-            assert c.message.content is None
-        if choice is NAMED:
-            assert [call.function.name for call in calls] == ["open_file"]
-
-
-def check_streamed_calls_match(client: openai.OpenAI, seeds: tuple[int, ...]) -> None:
-    ask = dict(model="flywheel", messages=USER, tools=TOOLS, tool_choice="required",
-               temperature=1.0, max_tokens=128)
-    for seed in seeds:
-        whole = client.chat.completions.create(seed=seed, **ask).choices[0]  # type: ignore[call-overload]
-        chunks = list(client.chat.completions.create(seed=seed, stream=True, **ask))  # type: ignore[call-overload]
-        calls: dict[int, dict[str, str]] = {}
-        pieces: dict[int, int] = {}
-        for chunk in chunks:
-            for delta in chunk.choices[0].delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
-                if delta.id:
-                    assert not call["id"], "the id is sent once"
-                    call["id"], call["name"] = delta.id, delta.function.name
-                call["arguments"] += delta.function.arguments or ""
-                pieces[delta.index] = pieces.get(delta.index, 0) + 1
-        # parallel calls allowed: a second call may be cut by max_tokens (then "length")
-        assert chunks[-1].choices[0].finish_reason == whole.finish_reason
-        assert calls and [(c["name"], c["arguments"]) for c in calls.values()] == [
-            (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-        assert all(n >= 2 for n in pieces.values())  # the head, then arguments in pieces
-
-
-def check_forced_tokens_logprobs(client: openai.OpenAI) -> None:
-    """A forced token is logged under the masked distribution it was drawn from."""
-    reply = client.chat.completions.create(
-        model="flywheel", messages=USER, tools=TOOLS, seed=0, max_tokens=128, logprobs=True,
-        top_logprobs=2, tool_choice={"type": "function", "function": {"name": "run_tests"}})
-    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert content is not None and len(content) > 5
-    # most of a no-argument call is forced syntax: one allowed token, probability exactly 1
-    # under the masked distribution (an untrained model's own is about -7.5 here)
-    forced = [t for t in content if t.logprob == 0.0]
-    assert len(forced) >= len(content) / 4
-    assert all(t.logprob > -5 for t in content)  # renormalized over the allowed tokens
-    for t in forced:  # tokens the grammar masked (-inf) are no alternatives
-        assert [a.logprob for a in t.top_logprobs] == [0.0]
 
 
 def test_tools_reach_the_prompt(client: openai.OpenAI) -> None:

@@ -12,7 +12,7 @@ from ingest.log import read_all
 from ingest.rollout_events import RolloutJob
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from simulate.tasks import BuiltinTasksConfig, build_task_source
-from tests.integration.test_releases import wait_for
+from tests.integration.helpers import wait_for
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.fleet import RolloutFleet
 from trainer.bootstrap.policy_publisher import PolicyPublisher

@@ -11,7 +11,7 @@ import torch
 
 from app.settings import Settings
 from ingest.log import EventProducer
-from tests.trainer.online.test_trainer import make_experiences
+from tests.trainer.helpers import make_experiences
 from trainer.online.control import (
     SqlTrainerControl,
     enqueue_command,

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from sqlmodel import Session
 
 from app.settings import Settings
@@ -16,6 +15,7 @@ from ingest.log import read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
 from tests.conftest import skilled_model
+from tests.trainer.helpers import make_checkpoint
 from trainer.release.config import HeldOutLossEval
 from trainer.release.pipeline import (
     PipelineReleaseSink,
@@ -34,18 +34,6 @@ from trainer.release.weights import (
     load_model,
     save_weights,
 )
-
-
-def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
-                    base: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A 'trainer checkpoint': the weights plus small seeded noise, as safetensors."""
-    weights = base if base is not None else load_model(model_dir).state_dict()
-    gen = torch.Generator().manual_seed(seed)
-    new = {n: (t + scale * torch.randn(t.shape, generator=gen)).to(t.dtype)
-           for n, t in weights.items()}
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the model has them
-    save_weights(new, out)
-    return new
 
 
 @pytest.fixture
