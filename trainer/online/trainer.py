@@ -240,6 +240,8 @@ class OnlineTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.forward_backward(experiences)
         norm = grad_norm(self.model, self.cfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * warmup_factor(self.state.step, self.cfg.warmup_steps)
         self.optimizer.step()
         self.ledger.record(LedgerEntry(
             step=self.state.step, experience_ids=[e.experience_id for e in experiences],
@@ -292,6 +294,11 @@ class OnlineTrainer:
 
     def close(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The rate's share at (0-based) `step`: rising linearly to 1 over `warmup_steps`."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
 
 
 class _NullContext:

@@ -14,7 +14,7 @@ from tests.trainer.helpers import make_experiences
 from trainer.checkpoint import Ledger, LedgerEntry
 from trainer.online.config import BatchMeanBaseline, OnlineTrainerSettings
 from trainer.online.loop import take_batch
-from trainer.online.trainer import OnlineTrainer
+from trainer.online.trainer import OnlineTrainer, warmup_factor
 
 
 def _cfg(**kw: object) -> OnlineTrainerSettings:
@@ -39,6 +39,11 @@ def test_step_updates_weights_and_ledger(model_dir: Path, tmp_path: Path,
     assert changed
     assert trainer.ledger.contains(experiences[0].experience_id)
     assert trainer.state.step == 1
+
+
+def test_the_rate_warms_up_over_the_first_steps() -> None:
+    assert [warmup_factor(step, 4) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_factor(0, 0) == 1.0
 
 
 def test_records_logged_without_routes_train_beside_routed_ones(
