@@ -217,6 +217,9 @@ class OnlineLoop:
             self.trainer.adopt_reference()  # the KL anchor follows the served release
             state.release_from_step = state.step
             state.last_release = {**result, "at": time.time()}
+        else:  # refused by the gate: train on from what is served, not from the refused weights
+            self.trainer.revert_to_reference()
+            state.release_from_step = state.step  # the refused steps are in no weights now
         self.releases.append(result)
         self._checkpoint()
         self._publish_status()

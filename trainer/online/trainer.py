@@ -71,6 +71,7 @@ class TrainerState:
     last_release: dict[str, Any] | None = None
     last_release_wall: float = field(default_factory=time.time)
     last_release_step: int = 0  # the step the last release was cut at (published or not)
+    warmup_from: int = 0  # the step the rate last began warming up (start, or a refusal)
 
 
 def configure_torch(cfg: OnlineTrainerSettings) -> None:
@@ -99,12 +100,15 @@ class OnlineTrainer:
         self.reference = reference.eval().requires_grad_(False)
         self.pad_id = pad_id
         self.store = store
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.optimizer = self._new_optimizer()
         self.baseline = build_baseline(cfg.baseline)
         self.state = TrainerState(reference_sha256=reference_sha256)
         self.ledger = Ledger()
         self.last_metrics: dict[str, float] = {}
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.99),
+                                 eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
 
     @classmethod
     def restore(cls, cfg: OnlineTrainerSettings, model_dir: Path, root: Path, *,
@@ -241,7 +245,8 @@ class OnlineTrainer:
         metrics = self.forward_backward(experiences)
         norm = grad_norm(self.model, self.cfg.grad_clip)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr * warmup_factor(self.state.step, self.cfg.warmup_steps)
+            group["lr"] = self.cfg.lr * warmup_factor(self.state.step - self.state.warmup_from,
+                                                      self.cfg.warmup_steps)
         self.optimizer.step()
         self.ledger.record(LedgerEntry(
             step=self.state.step, experience_ids=[e.experience_id for e in experiences],
@@ -263,6 +268,15 @@ class OnlineTrainer:
                                tensors={"weights": weights, "optimizer": optimizer},
                                state=dict(self.state.__dict__), ledger=self.ledger,
                                world=self.world)
+
+    @collective
+    def revert_to_reference(self) -> None:
+        """Back to the served release, whose weights the KL reference holds (the gate refused
+        a candidate: training on from its weights would carry its drift into the next one),
+        with fresh AdamW moments and the rate warming up again."""
+        self.model.load_state_dict(self.reference.state_dict())  # shard for shard
+        self.optimizer = self._new_optimizer()
+        self.state.warmup_from = self.state.step
 
     @collective
     def adopt_reference(self) -> str:

@@ -114,9 +114,11 @@ class RefuseFirstSink(RecordingSink):
 @pytest.mark.parametrize("fail", [False, True], ids=["refused", "build_failed"])
 def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, model_dir: Path,
                                                          fail: bool) -> None:
-    """`release_every_steps`: a candidate every 2 steps; the refused one's steps go into
-    the next, which is still cut 2 steps later (not on every step after the refusal). A
-    build that fails is a refusal too: the trainer goes on."""
+    """`release_every_steps`: a candidate every 2 steps, the next still cut 2 steps after a
+    refusal (not on every step after it). A candidate the gate refused is dropped: the
+    trainer goes back to the served weights, warms its rate up again, and the next candidate
+    holds only the steps after it. One whose build failed is not judged: its steps go into
+    the next, trained on from its weights."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
         "deterministic": True})
@@ -135,6 +137,8 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
                    release_sink=sink).run()
     finally:
         source.close()
-    assert [p["step_range"] for _, p in sink.calls] == [[0, 1], [0, 3]]
+    ranges = [[0, 1], [0, 3]] if fail else [[0, 1], [2, 3]]
+    assert [p["step_range"] for _, p in sink.calls] == ranges
     assert trainer.state.release_from_step == 4
+    assert trainer.state.warmup_from == (0 if fail else 2)
     torch.use_deterministic_algorithms(False)

@@ -46,6 +46,22 @@ def test_the_rate_warms_up_over_the_first_steps() -> None:
     assert warmup_factor(0, 0) == 1.0
 
 
+def test_a_refused_candidate_sends_the_trainer_back_to_the_served_weights(
+        model_dir: Path, tmp_path: Path, experiences: list[ExperienceReady]) -> None:
+    trainer = OnlineTrainer.restore(_cfg(), model_dir, tmp_path)
+    served = {n: t.clone() for n, t in trainer.reference.state_dict().items()}
+    trainer.step(experiences[:4])
+    trainer.step(experiences[4:8])
+    assert not all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
+    trainer.revert_to_reference()
+    assert all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
+    assert not trainer.optimizer.state  # fresh moments
+    assert trainer.state.warmup_from == trainer.state.step == 2
+    trainer.step(experiences[:4])  # and it trains on from there
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        trainer.cfg.lr * warmup_factor(0, trainer.cfg.warmup_steps))
+
+
 def test_records_logged_without_routes_train_beside_routed_ones(
         model_dir: Path, tmp_path: Path, experiences: list[ExperienceReady]) -> None:
     """A backend that cannot capture routes (vLLM on CPU) logs none: those rows replay
