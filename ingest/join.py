@@ -49,15 +49,9 @@ from ingest.config import JoinSettings, KafkaConfig
 from ingest.events import DeadLetter, ExperienceReady, FeedbackReceived, GenerationLogged, encode
 from ingest.feedback_rewards import reward_for
 from ingest.join_sessions import turn_plan
-from ingest.log import (
-    Delivered,
-    EventConsumer,
-    EventProducer,
-    ensure_topics,
-    partition_for,
-    scan_keys,
-)
+from ingest.log import Delivered, EventConsumer, EventProducer, ensure_topics, partition_for
 from ingest.sql import open_database
+from ingest.topic_reader import scan_keys
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.log import TopicReader
+from ingest.topic_reader import TopicReader
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ later: one way in, and this module never calls back into an engine.
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import queue
 import time
@@ -176,7 +177,7 @@ def swap_record(prepared: PreparedSwap, timing: SwapTiming) -> SwapRecord:
                       state_dict_sha256(prepared.live), time.time())
 
 
-class InPlaceEngine:
+class InPlaceEngine(abc.ABC):
     """The hot-swap side of an engine whose weights live in this process (the torch engine
     inherits it, and its thread runs `between`'s work between decode steps): a release is
     prepared against the live weights, now or ahead, then written in by `swap_to`."""
@@ -184,8 +185,9 @@ class InPlaceEngine:
     between: BetweenSteps
 
     @property
+    @abc.abstractmethod
     def version(self) -> ModelVersion:
-        raise NotImplementedError
+        """The version the engine serves."""
 
     def call_between_steps(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Run `fn(model)` on the engine thread between two decode steps."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from ingest.config import KafkaConfig
 from ingest.events import ReleasePublished
-from ingest.log import TopicReader
+from ingest.topic_reader import TopicReader
 from kernels.delta import DeltaError
 from kernels.delta.store import ArtifactNotFoundError, ArtifactStore
 from serving.engine import Engine, EngineError, ModelVersion, SwapRecord

@@ -18,8 +18,8 @@ from pydantic import SecretStr
 from app.cli.stack import running_stack
 from app.settings import Settings
 from ingest.events import FeedbackReceived, GenerationLogged
-from ingest.log import read_all
 from ingest.signing import SIGNATURE_HEADER, sign
+from ingest.topic_reader import read_all
 
 PROMPTS = [
     "def add(a, b):",

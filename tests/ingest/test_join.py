@@ -22,7 +22,8 @@ from ingest.events import (
 )
 from ingest.feedback_rewards import reward_for
 from ingest.join import Join
-from ingest.log import EventProducer, read_all
+from ingest.log import EventProducer
+from ingest.topic_reader import read_all
 from tests.ingest.conftest import Clock
 from tests.ingest.helpers import run_until
 
@@ -196,7 +197,7 @@ def test_the_tail_scan_reads_a_whole_last_batch(kafka: KafkaConfig,
                                                 producer: EventProducer) -> None:
     """Tansu reports a partition's end as its last batch's first offset + 1: the scan that
     recovery relies on must still see every record of that batch."""
-    from ingest.log import scan_keys
+    from ingest.topic_reader import scan_keys
 
     topic = kafka.topics.experiences
     keys = [f"scan-{i}-{uuid.uuid4().hex[:6]}" for i in range(1200)]

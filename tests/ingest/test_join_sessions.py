@@ -24,7 +24,8 @@ from ingest.events import (
 from ingest.feedback_rewards import turn_rewards
 from ingest.join import Join
 from ingest.join_sessions import Turn, covered_turns, turn_plan
-from ingest.log import EventProducer, read_all
+from ingest.log import EventProducer
+from ingest.topic_reader import read_all
 from tests.ingest.conftest import Clock
 from tests.ingest.helpers import run_until
 

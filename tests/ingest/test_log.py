@@ -12,15 +12,8 @@ from kafka.admin import NewTopic
 
 from ingest.config import KafkaConfig
 from ingest.events import DeadLetter, FeedbackReceived, encode
-from ingest.log import (
-    EventConsumer,
-    EventProducer,
-    TopicReader,
-    offset_key,
-    partition_for,
-    read_all,
-    read_raw,
-)
+from ingest.log import EventConsumer, EventProducer, partition_for
+from ingest.topic_reader import TopicReader, offset_key, read_all, read_raw
 
 
 def feedback(i: int) -> FeedbackReceived:

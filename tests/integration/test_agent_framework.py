@@ -13,7 +13,7 @@ import pytest
 
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import JsonlTasksConfig, build_task_source
 from simulate.tools import TOOLS, ToolCall

@@ -16,7 +16,7 @@ from app.db import make_db_engine
 from app.jobs.celery_app import RELEASE_TASK, SANDBOX_TASK, make_celery
 from app.settings import Settings
 from ingest.events import ReleasePublished
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 from simulate.sandbox import SandboxJob, SandboxResult
 from tests.conftest import require_service
 from tests.trainer.helpers import make_checkpoint

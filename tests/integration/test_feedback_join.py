@@ -33,8 +33,9 @@ from ingest.events import (
     experience_id_for,
 )
 from ingest.feedback_rewards import reward_for
-from ingest.log import EventProducer, read_raw
+from ingest.log import EventProducer
 from ingest.signing import SIGNATURE_HEADER, sign
+from ingest.topic_reader import read_raw
 from tests.integration.helpers import JoinProcess, wait_until
 
 pytestmark = pytest.mark.integration

@@ -23,8 +23,9 @@ from app.cli.stack import running_stack
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady, GenerationLogged, experience_id_for
-from ingest.log import EventProducer, read_all, read_raw
+from ingest.log import EventProducer
 from ingest.signing import SIGNATURE_HEADER, sign
+from ingest.topic_reader import read_all, read_raw
 from tests.integration.helpers import JoinProcess, wait_until
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from app.cli.stack import running_stack
 from app.settings import Settings
 from ingest.broker import EmbeddedBroker
 from ingest.events import GenerationLogged
-from ingest.log import read_all
 from ingest.spool import Spool, SpoolRecord
+from ingest.topic_reader import read_all
 
 pytestmark = pytest.mark.integration
 

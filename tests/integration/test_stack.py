@@ -16,7 +16,7 @@ import pytest
 from app.cli.stack import running_stack
 from app.settings import Settings
 from ingest.events import FeedbackReceived, GenerationLogged
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 from serving.engine import GenerationRequest
 from serving.torch_engine import TorchEngine
 

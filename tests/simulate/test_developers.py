@@ -9,7 +9,7 @@ from pydantic import SecretStr
 from app.cli.stack import running_stack
 from app.settings import Settings
 from ingest.events import FeedbackReceived, GenerationLogged
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 from simulate.developers import (
     DeveloperPopulation,
     DeveloperSettings,

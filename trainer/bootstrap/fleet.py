@@ -40,8 +40,9 @@ from typing import Any
 from ingest.broker import open_broker
 from ingest.config import KafkaConfig
 from ingest.events import encode
-from ingest.log import EventProducer, TopicReader, ensure_topics
+from ingest.log import EventProducer, ensure_topics
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutSampling
+from ingest.topic_reader import TopicReader
 from simulate.rollout_worker import LocalWorkers
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.policy_publisher import FleetError, PolicyPublisher

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.log import Delivered, EventProducer, Offsets, TopicReader, ensure_topics, offset_key
+from ingest.log import Delivered, EventProducer, ensure_topics
+from ingest.topic_reader import Offsets, TopicReader, offset_key
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
 from trainer.online.config import OnlineTrainerSettings

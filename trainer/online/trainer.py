@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ingest.events import ExperienceReady
-from ingest.log import Offsets
+from ingest.topic_reader import Offsets
 from kernels.weights import state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
 from trainer.distributed import (

@@ -15,7 +15,7 @@ import pytest
 
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 
 CHAT = "/v1/chat/completions"
 

@@ -21,8 +21,9 @@ from app.cli.stack import RunningStack, running_stack
 from app.settings import Settings
 from ingest.broker import EmbeddedBroker
 from ingest.events import FeedbackReceived
-from ingest.log import EventProducer, TopicReader, ensure_topics, partition_for, read_all
+from ingest.log import EventProducer, ensure_topics, partition_for
 from ingest.signing import SIGNATURE_HEADER, sign
+from ingest.topic_reader import TopicReader, read_all
 
 SECRETS = ["new-secret", "old-secret"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from ingest.config import KafkaConfig
-from ingest.log import read_all
 from ingest.rollout_events import RolloutJob
+from ingest.topic_reader import read_all
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from simulate.tasks import BuiltinTasksConfig, build_task_source
 from tests.integration.helpers import wait_for

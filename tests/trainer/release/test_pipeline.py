@@ -11,7 +11,7 @@ from sqlmodel import Session
 
 from app.settings import Settings
 from ingest.events import ReleasePublished
-from ingest.log import read_all
+from ingest.topic_reader import read_all
 from kernels.delta import BaseMismatchError, DeltaVerificationError, prepare
 from kernels.weights import state_dict_sha256
 from tests.conftest import skilled_model
