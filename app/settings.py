@@ -14,6 +14,9 @@ settings are flat so `FLYWHEEL_KAFKA_BOOTSTRAP` and `FLYWHEEL_DATABASE_URL` read
 
 from __future__ import annotations
 
+import os
+import secrets
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +33,9 @@ from trainer.release.config import ReleaseConfig, ReleaseSettings
 from trainer.trackers import TrackerSettings
 
 Profile = Literal["embedded", "production"]
+ADMIN_TOKEN_FILE = "admin_token"
+# Flywheel's admin token defaulted to this constant once: anyone who read the docs knows it
+PUBLISHED_ADMIN_TOKENS = frozenset({"flywheel-admin"})
 
 
 def absolute(path: Path) -> Path:
@@ -43,6 +49,25 @@ def absolute_store_url(url: str) -> str:
     if "://" in url and not url.startswith("file://"):
         return url
     return str(absolute(Path(url.removeprefix("file://"))))
+
+
+def local_admin_token(data_dir: Path) -> SecretStr:
+    """The admin token kept in `<data_dir>/admin_token` (owner-only), a random one written
+    there by whichever process asks first: every process on that data dir (the API, the
+    trainer's control, the CLI, the demo) agrees on it without a setting."""
+    path = data_dir / ADMIN_TOKEN_FILE
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{ADMIN_TOKEN_FILE}.")  # mode 0600
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+        try:  # atomic and never over another process's token: link fails if it exists
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return SecretStr(path.read_text().strip())
 
 
 class Settings(BaseSettings):
@@ -62,7 +87,9 @@ class Settings(BaseSettings):
     artifact_store_url: str | None = None
     model_dir: Path | None = None
 
-    admin_token: SecretStr = SecretStr("flywheel-admin")
+    # The admin API's bearer token. Required in production; unset in the embedded profile, a
+    # random one is made for the data dir and kept in <data_dir>/admin_token (`admin_secret`)
+    admin_token: SecretStr | None = None
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     # Feedback webhook (ingest/signing.py): HMAC secrets, several while rotating, JSON list in
     # FLYWHEEL_FEEDBACK_SECRETS. Required in production; empty in the embedded profile accepts
@@ -97,6 +124,11 @@ class Settings(BaseSettings):
             if not self.feedback_secrets:  # never accept unsigned feedback in production
                 raise ValueError("profile 'production' requires FLYWHEEL_FEEDBACK_SECRETS "
                                  "(feedback_secrets): a JSON list of webhook HMAC secrets")
+            token = self.admin_token.get_secret_value().strip() if self.admin_token else ""
+            if not token or token in PUBLISHED_ADMIN_TOKENS:
+                raise ValueError("profile 'production' requires FLYWHEEL_ADMIN_TOKEN "
+                                 "(admin_token): a secret of your own, not empty and not the "
+                                 "default earlier versions of Flywheel published")
         return self
 
     @model_validator(mode="after")
@@ -127,6 +159,13 @@ class Settings(BaseSettings):
                              "FLYWHEEL_BATCH_INVARIANT: a cached prefix's keys/values come "
                              "from other forward passes, so logprobs are not bitwise equal")
         return self
+
+    def admin_secret(self) -> SecretStr:
+        """The admin API's token: `admin_token`, or where none is set (the embedded profile)
+        the data dir's own, made on first use (`local_admin_token`)."""
+        if self.admin_token is not None and self.admin_token.get_secret_value().strip():
+            return self.admin_token
+        return local_admin_token(self.data_dir)
 
     # Derived locations and values: one place, so no caller re-derives them differently.
     @property

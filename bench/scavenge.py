@@ -28,10 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.settings import Settings  # noqa: E402
 from bench.servers import ROOT, flywheel_up  # noqa: E402
 from ingest.broker import EmbeddedBroker  # noqa: E402
-
-ADMIN = {"Authorization": "Bearer flywheel-admin"}
 
 
 async def load(url: str, *, cycles: int, busy_s: float, idle_s: float, rps: float
@@ -69,7 +68,9 @@ def phase(name: str, work: Path, model_dir: Path, args: argparse.Namespace,
     with flywheel_up(work / name, model_dir, **env) as url:
         latencies, errors = asyncio.run(load(url, cycles=args.cycles, busy_s=args.busy_s,
                                              idle_s=args.idle_s, rps=args.rps))
-        status = httpx.get(f"{url}/admin/status", headers=ADMIN, timeout=30).json()
+        token = Settings(data_dir=work / name).admin_secret().get_secret_value()
+        status = httpx.get(f"{url}/admin/status", timeout=30,
+                           headers={"Authorization": f"Bearer {token}"}).json()
     ms = np.array(latencies) * 1000
     print(f"{name}: {len(ms)} requests, p50 {np.percentile(ms, 50):.0f} ms, "
           f"p99 {np.percentile(ms, 99):.0f} ms, errors {errors}, "

@@ -91,7 +91,8 @@ def swap_pauses(url: str, model_dir: Path, data_dir: Path, releases: int = 2) ->
 
     from trainer.release.weights import load_model, save_weights
 
-    admin = {"Authorization": f"Bearer {Settings().admin_token.get_secret_value()}"}
+    token = Settings(data_dir=data_dir).admin_secret().get_secret_value()
+    admin = {"Authorization": f"Bearer {token}"}
     weights = load_model(model_dir).state_dict()
     pauses = []
     with httpx.Client(base_url=url, headers=admin, timeout=60) as http:

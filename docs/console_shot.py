@@ -31,9 +31,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url")
     parser.add_argument("screenshot")
-    parser.add_argument("--token", default=Settings().admin_token.get_secret_value())
+    parser.add_argument("--token", help="the admin token (default: FLYWHEEL_ADMIN_TOKEN, "
+                        "else the one the data dir of FLYWHEEL_DATA_DIR keeps)")
     parser.add_argument("--min-series", type=int, default=2)
     args = parser.parse_args()
+    token = args.token or Settings().admin_secret().get_secret_value()
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or ""
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
@@ -43,7 +45,7 @@ def main() -> None:
                               service=Service(executable_path=shutil.which("chromedriver")))
     try:
         driver.get(f"{args.url}/console")
-        driver.find_element(By.CSS_SELECTOR, "#token").send_keys(args.token)
+        driver.find_element(By.CSS_SELECTOR, "#token").send_keys(token)
         driver.find_element(By.CSS_SELECTOR, "#login-button").click()
         series = "#acceptance-chart polyline.series"
         WebDriverWait(driver, 120, poll_frequency=0.5).until(

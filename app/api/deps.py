@@ -32,7 +32,7 @@ _bearer = HTTPBearer(auto_error=False)
 def require_admin(services: ServicesDep,
                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
                   ) -> None:
-    expected = services.settings.admin_token.get_secret_value()
+    expected = services.admin_token().get_secret_value()
     if creds is None or not hmac.compare_digest(creds.credentials, expected):
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "admin bearer token required",
                             headers={"WWW-Authenticate": "Bearer"})

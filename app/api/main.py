@@ -65,7 +65,7 @@ def build_services(settings: Settings) -> Services:
         log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
     services = Services(settings=settings, kafka=kafka, engine=engine, producer=producer,
                         db=db, tokenizer=engine.tokenizer, session_log=session_log,
-                        metrics=metrics)
+                        metrics=metrics, admin=settings.admin_secret())
     metrics.bind(engine=engine, session_log=session_log, trainer_db=db,
                  join_lag=lambda: services.console_feeds().join_lag(wait=False))
     services.beacon = ReplicaBeacon(db, replica_id(settings.port),

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import SecretStr
 from sqlalchemy import Engine as DbEngine
 
 from app.api.feedback_intake import FeedbackIntake
@@ -44,6 +45,13 @@ class Services:
     beacon: Any | None = None  # app.api.replicas.ReplicaBeacon: which version this replica serves
     live: LiveLoad = field(default_factory=LiveLoad)  # users' requests in flight and their rate
     scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
+    admin: SecretStr | None = None  # see admin_token()
+
+    def admin_token(self) -> SecretStr:
+        """The admin routes' bearer token (`Settings.admin_secret`), read once."""
+        if self.admin is None:
+            self.admin = self.settings.admin_secret()
+        return self.admin
 
     def release_tasks(self) -> Any:
         if self.celery is None:

@@ -175,7 +175,7 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
         print(f"live: {stack.base_url} serves v0; {plan.concurrency} simulated developers on "
               f"the product tasks; a release every {plan.release_every_steps} trainer steps",
               flush=True)
-        watch = LiveView(stack.base_url, s.admin_token.get_secret_value(), plan)
+        watch = LiveView(stack.base_url, s.admin_secret().get_secret_value(), plan)
         try:
             with TrainerProcess(s) as trainer, \
                     DeveloperThread(s, stack.base_url, plan) as developers:

@@ -18,8 +18,10 @@ import logging
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
-from app.settings import Settings, absolute, absolute_store_url
+from app.settings import ADMIN_TOKEN_FILE, Settings, absolute, absolute_store_url
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -30,7 +32,10 @@ def _settings(args: argparse.Namespace) -> Settings:
         overrides["port"] = args.port
     if getattr(args, "host", None) is not None:
         overrides["host"] = args.host
-    return Settings(**overrides)
+    try:
+        return Settings(**overrides)
+    except ValidationError as error:  # a setting missing or wrong: its name, no traceback
+        raise SystemExit(f"flywheel: the settings are invalid: {error}") from None
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -51,6 +56,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     with running_stack(settings) as stack:
+        if settings.admin_token is None:  # the path, never the token
+            print(f"admin token: in {settings.data_dir / ADMIN_TOKEN_FILE} (or set "
+                  "FLYWHEEL_ADMIN_TOKEN)", flush=True)
         print(f"READY {stack.base_url} kafka={stack.kafka.bootstrap}", flush=True)
         stop.wait()
     return 0

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,8 +48,41 @@ def test_production_requires_kafka_postgres_and_feedback_secrets() -> None:
         Settings(profile="production", kafka_bootstrap="k:9092",
                  database_url="postgresql+psycopg://db/flywheel")
     s = Settings(profile="production", kafka_bootstrap="k:9092",
-                 database_url="postgresql+psycopg://db/flywheel", feedback_secrets=["s"])
+                 database_url="postgresql+psycopg://db/flywheel", feedback_secrets=["s"],
+                 admin_token="an operator's own")
     assert s.kafka_config("k:9092").session_timeout_ms == 45000
+
+
+@pytest.mark.parametrize("token", [None, "", "  ", "flywheel-admin"])
+def test_production_refuses_no_admin_token_and_the_published_default(token: str | None
+                                                                      ) -> None:
+    with pytest.raises(ValidationError, match="FLYWHEEL_ADMIN_TOKEN"):
+        Settings(profile="production", kafka_bootstrap="k:9092", admin_token=token,
+                 database_url="postgresql+psycopg://db/flywheel", feedback_secrets=["s"])
+
+
+def test_production_without_an_admin_token_exits_naming_it(tmp_path: Path) -> None:
+    env = {**os.environ, "FLYWHEEL_PROFILE": "production", "FLYWHEEL_KAFKA_BOOTSTRAP": "k:9092",
+           "FLYWHEEL_DATABASE_URL": "postgresql+psycopg://db/flywheel",
+           "FLYWHEEL_FEEDBACK_SECRETS": '["s"]', "FLYWHEEL_ADMIN_TOKEN": "flywheel-admin"}
+    out = subprocess.run([sys.executable, "-m", "app.cli", "up", "--data-dir", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "FLYWHEEL_ADMIN_TOKEN" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "admin_token").exists()
+
+
+def test_embedded_makes_one_admin_token_per_data_dir(tmp_path: Path) -> None:
+    token = Settings(data_dir=tmp_path).admin_secret().get_secret_value()
+    assert len(token) >= 32 and token != "flywheel-admin"
+    kept = tmp_path / "admin_token"
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600  # the owner's alone
+    assert Settings(data_dir=tmp_path).admin_secret().get_secret_value() == token  # kept
+    other = Settings(data_dir=tmp_path / "other").admin_secret().get_secret_value()
+    assert other != token
+    mine = Settings(data_dir=tmp_path, admin_token="mine").admin_secret()
+    assert mine.get_secret_value() == "mine"
+    assert "mine" not in repr(Settings(admin_token="mine"))  # a secret in no log line
 
 
 def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:

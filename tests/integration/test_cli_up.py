@@ -29,7 +29,7 @@ def test_up_prints_ready_and_keeps_state_under_data_dir(tmp_path: Path,
     data = tmp_path / "state"
     with flywheel_up(data, model_dir) as (url, kafka):
         assert httpx.get(f"{url}/healthz", timeout=10).json()["status"] == "ok"
-        token = Settings().admin_token.get_secret_value()
+        token = Settings(data_dir=data).admin_secret().get_secret_value()
         status = httpx.get(f"{url}/admin/status", timeout=10,
                            headers={"Authorization": f"Bearer {token}"}).json()
         assert status["kafka_bootstrap"] == kafka  # the address READY printed

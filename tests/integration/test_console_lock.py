@@ -25,7 +25,7 @@ def test_console_figures_keep_no_database_lock_while_the_broker_is_frozen(
     broker = EmbeddedBroker.start(log_path=tmp_path / "broker.log")  # ours alone to freeze
     settings = Settings(data_dir=tmp_path / "data", kafka_bootstrap=broker.bootstrap,
                         model_dir=model_dir, port=0, kafka={"request_timeout_ms": 4000})
-    token = settings.admin_token.get_secret_value()
+    token = settings.admin_secret().get_secret_value()
     replies: list[int] = []
     try:
         with running_stack(settings) as stack:

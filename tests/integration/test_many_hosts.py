@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -83,8 +84,9 @@ def test_a_bootstrap_and_a_release_cross_five_hosts(net: Hosts, learning_model_d
     shared = tmp_path / "shared"  # the stores every host mounts
     tasks = {"kind": "jsonl", "path": str(learning_model_dir / "tasks.jsonl"),
              "held_out_fraction": 0.0}
+    admin_token = secrets.token_urlsafe(16)  # an operator's own, as on hosts of their own
     common = {**os.environ, "PYTHONPATH": str(REPO), "FLYWHEEL_KAFKA_BOOTSTRAP": relay,
-              "FLYWHEEL_MODEL_DIR": str(learning_model_dir),
+              "FLYWHEEL_MODEL_DIR": str(learning_model_dir), "FLYWHEEL_ADMIN_TOKEN": admin_token,
               "FLYWHEEL_ARTIFACT_STORE_URL": str(shared / "releases"),
               # the gate runs (a short held-out loss); what it lets through is not the point
               "FLYWHEEL_RELEASE": json.dumps({"eval": {"kind": "heldout_loss", "sequences": 2,
@@ -139,7 +141,7 @@ def test_a_bootstrap_and_a_release_cross_five_hosts(net: Hosts, learning_model_d
     version, published, sha, *_ = released.stdout.split("RELEASED")[-1].split()
     assert published == "True" and sha == trained, released.stdout
     with httpx.Client(base_url=f"http://{net.ip('replica')}:8000", timeout=30, headers={
-            "Authorization": "Bearer flywheel-admin"}) as http:
+            "Authorization": f"Bearer {admin_token}"}) as http:
         status = swapped_to(http, int(version), timeout_s=120)
         assert status["last_swap"]["live_sha256"] == trained
         reply = http.post("/v1/chat/completions", json={

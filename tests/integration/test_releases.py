@@ -35,7 +35,7 @@ def test_five_releases_and_a_rollback_under_load(settings: Settings, tmp_path: P
                                                  model_dir: Path) -> None:
     settings = settings.model_copy(update={"release": settings.release.model_copy(update={
         "snapshot_every": 3, "eval": HeldOutLossEval(sequences=2, seq_len=64)})})
-    admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    admin = {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"}
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url,
                                                         timeout=60, headers=admin) as http:
         base = replica_status(http)

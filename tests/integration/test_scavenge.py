@@ -37,7 +37,7 @@ def test_a_quiet_replica_scavenges_and_yields_to_users(
     training = Training(kafka, learning_model_dir, store, tmp_path / "run", max_steps=10,
                         time_budget_s=300)
     other = start_worker("b", worker_env(kafka, store, tmp_path / "b"), tmp_path / "b.log")
-    admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    admin = {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"}
     users_stop, failures = threading.Event(), []
     try:
         with running_stack(settings) as stack, httpx.Client(

@@ -40,7 +40,7 @@ def test_completions_and_feedback_reach_kafka(settings: Settings) -> None:
                                                 "generation_id": reply["id"], "kind": "accept"})
             assert r.status_code == 202, r.text
         status = http.get("/admin/status", headers={
-            "Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}).json()
+            "Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"}).json()
         assert status["completions"] == len(PROMPTS)
         sessions = read_all(stack.kafka, stack.kafka.topics.sessions, GenerationLogged)
         feedback = read_all(stack.kafka, stack.kafka.topics.feedback, FeedbackReceived)

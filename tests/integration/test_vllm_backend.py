@@ -72,7 +72,7 @@ def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     settings = Settings()
     with flywheel_up(data, model_dir, **env) as (url, kafka):
         yield Up(url, settings.kafka_config(kafka), data,
-                 {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+                 {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"})
 
 
 def test_a_host_where_vllm_cannot_start_gets_a_clear_error(tmp_path: Path,

@@ -91,7 +91,7 @@ def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path, 
         assert "not-the-token" not in browser.current_url
         browser.save_screenshot(str(shots / "0-wrong-token.png"))
 
-        log_in(Settings().admin_token.get_secret_value())
+        log_in(Settings(data_dir=data).admin_secret().get_secret_value())
         present('#releases tr[data-version="0"]')
         assert find("#served").get_attribute("data-version") == "0"
         assert len(browser.find_elements(By.CSS_SELECTOR, "#join-lag tbody tr")) == 12

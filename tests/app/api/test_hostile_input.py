@@ -45,7 +45,7 @@ def stack(broker: EmbeddedBroker, model_dir: Path, tmp_path_factory: pytest.Temp
 
 @pytest.fixture
 def http(stack: RunningStack) -> Iterator[httpx.Client]:
-    token = stack.settings.admin_token.get_secret_value()
+    token = stack.settings.admin_secret().get_secret_value()
     with httpx.Client(base_url=stack.base_url, timeout=20,
                       headers={"Authorization": f"Bearer {token}"}) as client:
         yield client
@@ -118,6 +118,23 @@ def test_a_release_candidate_must_lie_under_the_data_dir(http: httpx.Client,
     error = error_of(http.post("/admin/releases", json={"candidate": str(inside)}), 404)
     assert error["code"] == "candidate_not_found"
     assert http.get("/admin/releases").json() == []  # no version was reserved for any
+
+
+def test_the_admin_token_is_the_data_dirs_own_and_nowhere_in_answers(
+        stack: RunningStack, http: httpx.Client) -> None:
+    """No FLYWHEEL_ADMIN_TOKEN: the data dir's random token opens the admin routes, the
+    constant earlier versions defaulted to does not, and no answer carries a secret."""
+    assert stack.settings.admin_token is None
+    token = (stack.settings.data_dir / "admin_token").read_text().strip()
+    for guess in ("flywheel-admin", "x", token[:-1]):
+        error = error_of(http.get("/admin/status", headers={"Authorization": f"Bearer {guess}"}),
+                         401)
+        assert token not in str(error)
+    status = http.get("/admin/status")
+    assert status.status_code == 200
+    secrets = [token] + [s.get_secret_value() for s in stack.settings.feedback_secrets]
+    for answer in (status.text, http.get("/admin/console").text, http.get("/metrics").text):
+        assert not any(s in answer for s in secrets)
 
 
 def test_every_family_answers_errors_in_one_shape(http: httpx.Client) -> None:

@@ -16,7 +16,7 @@ def test_release_routes_need_the_token_and_answer_with_reasons(settings: Setting
     gate = settings.release.eval.model_copy(update={"max_tasks": 8, "samples_per_task": 2})
     settings = settings.model_copy(update={"release": settings.release.model_copy(
         update={"follow": False, "eval": gate})})
-    admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    admin = {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"}
     with TestClient(create_app(settings)) as http:
         assert http.get("/admin/releases").status_code == 401
         assert http.post("/admin/releases", headers={"Authorization": "Bearer x"}
