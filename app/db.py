@@ -1,8 +1,8 @@
 """SQL state: SQLite under the data dir by default, PostgreSQL by URL (SQLModel).
 
 Tables here are the API's memory that must survive restarts: feedback receipts (the
-webhook's idempotency record), the model versions a process has served, and which replica
-serves which version now. The release
+webhook's idempotency record), the model versions a process has served, which replica
+serves which version now, and the inference keys (app/api/api_keys.py). The release
 history is the release pipeline's table (trainer/release/pipeline.py), the trainer's control queue
 trainer/online/control.py's.
 """
@@ -45,6 +45,20 @@ class ReplicaSeen(SQLModel, table=True):
     version: int
     sha256: str = Field(max_length=64)
     seen_at: datetime = Field(default_factory=utcnow)
+
+
+class ApiKey(SQLModel, table=True):
+    """An inference key: its public id, the sha256 of its secret (the secret itself is shown
+    once, when made, and kept nowhere), the user it speaks for, its request rate limit."""
+
+    __tablename__ = "api_key"
+    key_id: str = Field(primary_key=True, max_length=32)
+    secret_sha256: str = Field(max_length=64)
+    user_id: str = Field(max_length=128, index=True)
+    rps: float | None = None  # requests per second; None: no limit
+    label: str | None = Field(default=None, max_length=200)
+    created_at: datetime = Field(default_factory=utcnow)
+    revoked_at: datetime | None = None
 
 
 def make_db_engine(url: str) -> Engine:

@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     # The admin API's bearer token. Required in production; unset in the embedded profile, a
     # random one is made for the data dir and kept in <data_dir>/admin_token (`admin_secret`)
     admin_token: SecretStr | None = None
+    # Inference keys (app/api/api_keys.py) on /v1: None means required in production, off in
+    # the embedded profile (any caller; the Authorization header is not read)
+    require_api_keys: bool | None = None
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     # Feedback webhook (ingest/signing.py): HMAC secrets, several while rotating, JSON list in
     # FLYWHEEL_FEEDBACK_SECRETS. Required in production; empty in the embedded profile accepts
@@ -124,6 +127,9 @@ class Settings(BaseSettings):
             if not self.feedback_secrets:  # never accept unsigned feedback in production
                 raise ValueError("profile 'production' requires FLYWHEEL_FEEDBACK_SECRETS "
                                  "(feedback_secrets): a JSON list of webhook HMAC secrets")
+            if self.require_api_keys is False:
+                raise ValueError("profile 'production' requires inference keys: unset "
+                                 "FLYWHEEL_REQUIRE_API_KEYS")
             token = self.admin_token.get_secret_value().strip() if self.admin_token else ""
             if not token or token in PUBLISHED_ADMIN_TOKENS:
                 raise ValueError("profile 'production' requires FLYWHEEL_ADMIN_TOKEN "
@@ -159,6 +165,13 @@ class Settings(BaseSettings):
                              "FLYWHEEL_BATCH_INVARIANT: a cached prefix's keys/values come "
                              "from other forward passes, so logprobs are not bitwise equal")
         return self
+
+    @property
+    def api_keys_required(self) -> bool:
+        """Whether /v1 takes only callers holding an inference key."""
+        if self.require_api_keys is None:
+            return self.profile == "production"
+        return self.require_api_keys
 
     def admin_secret(self) -> SecretStr:
         """The admin API's token: `admin_token`, or where none is set (the embedded profile)

@@ -21,6 +21,9 @@ backend (`swap_pause_ms`). `threads`: the torch engine's torch threads; `compile
 decode step is compiled (FLYWHEEL_ENGINE__COMPILE); HF `generate` is timed on one thread and on
 every core, and the faster counts.
 
+Inference keys' cost: tokens/s at c=32 with every request's key checked against the same
+requests with keys off, alternated on the in-process API (`ratio_keys_c32`).
+
 Function calling's cost: tokens/s of the same requests with a named `tool_choice` (each token
 sampled under the call grammar's mask, serving/grammar.py) against free text, at c=1 and c=32:
 `ratio_tools_c1`, `ratio_tools_c32`.
@@ -82,7 +85,8 @@ def body(i: int, max_tokens: int, *, tools: bool = False) -> dict[str, Any]:
 
 
 async def load(base_url: str, concurrency: int, n: int, max_tokens: int, *,
-               tools: bool = False) -> tuple[float, list[float], int]:
+               tools: bool = False, headers: dict[str, str] | None = None
+               ) -> tuple[float, list[float], int]:
     """(wall seconds, per-request latencies in s, output tokens) for n requests."""
     import httpx
 
@@ -90,7 +94,8 @@ async def load(base_url: str, concurrency: int, n: int, max_tokens: int, *,
     latencies: list[float] = []
     tokens = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits,
+                                 headers=headers) as client:
         async def one(i: int) -> None:
             nonlocal tokens
             async with gate:
@@ -208,6 +213,8 @@ def main() -> int:
             services.session_log = real_log
             p50_on, p50_off = pct(on, 50), pct(off, 50)
             print(f"p50 at c=8: logging on {p50_on:.1f} ms, off {p50_off:.1f} ms", flush=True)
+            key_rounds(services, base_url, counts[32], args.max_tokens, args.logging_rounds,
+                       into=result)
             real_log.flush(timeout_s=30)
             result["threads"] = services.engine.threads  # serving.config.default_threads
         finally:
@@ -236,6 +243,30 @@ def main() -> int:
         large_rounds(result, data_dir, args.max_tokens, vllm=use_vllm)
     print(json.dumps(result))
     return 0
+
+
+def key_rounds(services: Any, base_url: str, n: int, max_tokens: int, rounds: int, *,
+               into: dict[str, Any]) -> None:
+    """Tokens/s at c=32 with inference keys required (every request's key checked,
+    app/api/api_keys.py) against the same requests with keys off, alternated in one process
+    (on-off, then off-on: neither always runs first): `ratio_keys_c32`."""
+    from app.api.api_keys import create_key
+
+    _, key = create_key(services.db, user_id="bench")
+    settings, auth = services.settings, {"Authorization": f"Bearer {key}"}
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for i in range(rounds):
+            for keys_on in (True, False) if i % 2 == 0 else (False, True):
+                services.settings = settings.model_copy(update={"require_api_keys": keys_on})
+                wall, _, tokens = asyncio.run(load(base_url, 32, n, max_tokens, headers=auth))
+                rates[keys_on].append(tokens / wall)
+    finally:
+        services.settings = settings
+    on, off = (float(np.mean(rates[k])) for k in (True, False))
+    into["ratio_keys_c32"] = round(on / off, 3)
+    print(f"c=32 with keys checked {on:8.1f} tok/s against keys off {off:8.1f}: "
+          f"{on / off:.3f}x", flush=True)
 
 
 def measure(name: str, url: str, counts: dict[int, int], max_tokens: int,

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.api.api_keys import Caller
 from app.api.errors import ApiError
 from app.api.openai_schemas import (
     MAX_CHOICES,
@@ -146,7 +147,10 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
 
 def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
          prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, *,
-         request_id: str | None = None, tools: ToolPlan | None = None) -> Plan:
+         request_id: str | None = None, tools: ToolPlan | None = None,
+         caller: Caller | None = None) -> Plan:
+    """The generations of one request; `caller`: the inference key's, whose user id is the
+    logged one (the body's `user` is only where keys are off)."""
     engine, cfg = services.engine, services.settings.engine
     if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -193,5 +197,6 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     return Plan(kind=kind, model=body.model or SERVED_MODEL, choices=choices, prompts=prompts,
                 sampling=sampling, logprobs=logprobs,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                session_id=body.session_id, user=body.user,
+                session_id=body.session_id,
+                user=caller.user_id if caller is not None else body.user,
                 request_id=request_id or f"req-{uuid.uuid4().hex}")

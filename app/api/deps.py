@@ -10,6 +10,8 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
+from app.api.api_keys import ApiKeyError, Caller
+from app.api.errors import ApiError
 from app.api.services import Services
 
 
@@ -39,3 +41,21 @@ def require_admin(services: ServicesDep,
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+async def inference_caller(services: ServicesDep, request: Request) -> Caller | None:
+    """The caller of a /v1 route by its inference key, when keys are required (else None:
+    anyone may call, and the body's `user` is logged); 401 or 429 in the API's error shape."""
+    if not services.settings.api_keys_required:
+        return None
+    try:
+        return services.key_check().check(request.headers.get("authorization"))
+    except ApiKeyError as refused:
+        headers = ({"Retry-After": str(refused.retry_after_s)} if refused.status == 429
+                   else {"WWW-Authenticate": "Bearer"})
+        raise ApiError(refused.status, refused.message, headers=headers,
+                       code="rate_limit_exceeded" if refused.status == 429
+                       else "invalid_api_key") from None
+
+
+CallerDep = Annotated[Caller | None, Depends(inference_caller)]

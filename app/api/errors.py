@@ -30,9 +30,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           503: "server_error"}
 _DESCRIPTIONS = {
     400: "A parameter is invalid (OpenAI's status for a bad request)",
-    401: "Missing or wrong credentials (admin bearer token, webhook signature)",
+    401: "Missing or wrong credentials (inference key, admin bearer token, webhook "
+         "signature)",
     404: "No such resource", 409: "Conflicts with the resource's state",
     413: "The body, or a batch in it, exceeds the configured limit",
+    429: "Over the inference key's request rate: retry after `Retry-After` seconds",
     422: "The body does not validate: `param` names the first bad field",
     500: "Failed on the server: quote `request_id`, which the server log carries",
     503: "Temporarily unavailable (shutting down, the broker unreachable): retry"}

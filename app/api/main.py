@@ -20,7 +20,7 @@ from app.api.errors import error_responses, install_error_handlers
 from app.api.guard import RequestGuard
 from app.api.metrics import Metrics
 from app.api.replicas import ReplicaBeacon, replica_id
-from app.api.routes import admin, completions, console, feedback, health, models
+from app.api.routes import admin, completions, console, feedback, health, keys, models
 from app.api.routes import metrics as metrics_route
 from app.api.routes import releases as releases_route
 from app.api.routes import trainer as trainer_route
@@ -145,7 +145,7 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                 close_services(app.state.services)
 
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
-    for module in (completions, feedback, models, admin, releases_route, trainer_route,
+    for module in (completions, feedback, models, admin, keys, releases_route, trainer_route,
                    health, metrics_route, console):
         app.include_router(module.router)
     install_error_handlers(app)

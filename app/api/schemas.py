@@ -128,3 +128,30 @@ class ReleaseOut(BaseModel):
     rolled_back_at: datetime | None
     rolled_back_by: str | None
     rollback_reason: str | None
+
+
+class KeyRequest(BaseModel):
+    """`POST /admin/keys`: an inference key for one user."""
+
+    user_id: str = Field(min_length=1, max_length=128)
+    rps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False,
+                              description="requests per second (per API replica); none: no "
+                                          "limit")
+    label: str | None = Field(default=None, max_length=200)
+
+
+class KeyInfo(BaseModel):
+    """An inference key as listed: never its secret."""
+
+    key_id: str
+    user_id: str
+    rps: float | None
+    label: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyInfo):
+    """A new key: `key` is the whole key, shown this once (only its hash is kept)."""
+
+    key: str

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import SecretStr
 from sqlalchemy import Engine as DbEngine
 
+from app.api.api_keys import KeyCheck
 from app.api.feedback_intake import FeedbackIntake
 from app.api.metrics import Metrics
 from app.settings import Settings
@@ -46,6 +47,13 @@ class Services:
     live: LiveLoad = field(default_factory=LiveLoad)  # users' requests in flight and their rate
     scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
     admin: SecretStr | None = None  # see admin_token()
+    keys: KeyCheck | None = None  # see key_check()
+
+    def key_check(self) -> KeyCheck:
+        """The inference keys' check (app/api/api_keys.py), made on first use."""
+        if self.keys is None:
+            self.keys = KeyCheck(self.db)
+        return self.keys
 
     def admin_token(self) -> SecretStr:
         """The admin routes' bearer token (`Settings.admin_secret`), read once."""

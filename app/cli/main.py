@@ -7,6 +7,7 @@
     flywheel train-online [--nproc N]           experiences -> policy updates -> releases
     flywheel bootstrap [--nproc N] [--kafka K]  mid-training + GRPO on verifiable tasks, JSON
     flywheel rollout-worker --kafka K --store U  one more rollout worker for a bootstrap's fleet
+    flywheel keys create --user U [--rps R]     an inference key for /v1 (list, revoke KEY_ID)
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -61,6 +62,39 @@ def cmd_up(args: argparse.Namespace) -> int:
                   "FLYWHEEL_ADMIN_TOKEN)", flush=True)
         print(f"READY {stack.base_url} kafka={stack.kafka.bootstrap}", flush=True)
         stop.wait()
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`flywheel keys`: on the SQL database the API reads keys from (FLYWHEEL_DATABASE_URL)."""
+    from app.api.api_keys import create_key, list_keys, revoke_key
+    from app.db import make_db_engine
+
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = make_db_engine(settings.resolved_database_url)
+    try:
+        if args.action == "create":
+            if args.rps is not None and not args.rps > 0:
+                print("flywheel keys create: --rps must be above 0", file=sys.stderr)
+                return 2
+            row, key = create_key(db, user_id=args.user, rps=args.rps, label=args.label)
+            print(f"{key}\n(key {row.key_id} for user {row.user_id}: shown this once, only "
+                  "its hash is kept)")
+        elif args.action == "list":
+            for row in list_keys(db):
+                state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M:%S}" if row.revoked_at \
+                    else "active"
+                limit = f"{row.rps:g} rps" if row.rps is not None else "no limit"
+                print(f"{row.key_id}  user={row.user_id}  {limit}  {state}  {row.label or ''}")
+        else:
+            revoked = revoke_key(db, args.key_id)
+            if revoked is None:
+                print(f"flywheel keys revoke: no key {args.key_id}", file=sys.stderr)
+                return 1
+            print(f"revoked {revoked.key_id} (user {revoked.user_id})")
+    finally:
+        db.dispose()
     return 0
 
 
@@ -271,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)")
     p.add_argument("--worker-id", help="default: <hostname>-<pid>")
     p.set_defaults(func=cmd_rollout_worker)
+    p = with_common(sub.add_parser("keys", help="inference keys: create, list, revoke"))
+    keys = p.add_subparsers(dest="action", required=True)
+    create = with_common(keys.add_parser("create", help="a key for one user (printed once)"))
+    create.add_argument("--user", required=True, help="the user id its generations log")
+    create.add_argument("--rps", type=float, help="requests per second (per API replica)")
+    create.add_argument("--label")
+    with_common(keys.add_parser("list", help="every key, without secrets"))
+    revoke = with_common(keys.add_parser("revoke", help="refused within a second"))
+    revoke.add_argument("key_id")
+    p.set_defaults(func=cmd_keys)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4, help="with --smoke")
     p.add_argument("--smoke", action="store_true",

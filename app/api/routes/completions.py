@@ -33,7 +33,7 @@ from app.api.completion_plan import (
     refuse_unfittable,
 )
 from app.api.completion_run import run_choices, run_to_end
-from app.api.deps import ServicesDep
+from app.api.deps import CallerDep, ServicesDep
 from app.api.errors import ApiError, error_responses, request_id_of
 from app.api.openai_schemas import (
     AssistantMessage,
@@ -235,13 +235,13 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {  # one eve
 _STREAMED = {"content": {"text/event-stream": {"itemSchema": _SSE_EVENT}},
              "description": "JSON, or with `stream: true` server-sent events ending in "
                             "`data: [DONE]`"}
-_RESPONSES = {200: _STREAMED, **error_responses(400, 404, 503)}  # + 413, 500: app.api.main
+_RESPONSES = {200: _STREAMED, **error_responses(400, 401, 404, 429, 503)}  # + 413, 500
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses=_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
-                           request: Request, response: Response) -> Any:
+                           caller: CallerDep, request: Request, response: Response) -> Any:
     texts = [m.text() for m in body.messages]
     refuse_unfittable(services, texts + [json.dumps([t.model_dump() for t in body.tools or []])],
                       "messages")
@@ -259,13 +259,13 @@ async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     p = plan(services, "chat", body, [prompt], body.max_completion_tokens or body.max_tokens,
-             logprobs, request_id=request_id_of(request), tools=tools)
+             logprobs, request_id=request_id_of(request), tools=tools, caller=caller)
     return await respond(services, p, request, response, stream=body.stream)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
-async def completions(body: CompletionRequest, services: ServicesDep, request: Request,
-                      response: Response) -> Any:
+async def completions(body: CompletionRequest, services: ServicesDep, caller: CallerDep,
+                      request: Request, response: Response) -> Any:
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     for text in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
@@ -275,5 +275,5 @@ async def completions(body: CompletionRequest, services: ServicesDep, request: R
     if not prompts:
         raise ApiError(400, "the prompt is empty", param="prompt")
     p = plan(services, "completion", body, prompts, body.max_tokens, body.logprobs,
-             request_id=request_id_of(request))
+             request_id=request_id_of(request), caller=caller)
     return await respond(services, p, request, response, stream=body.stream)

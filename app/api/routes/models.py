@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter
 
 from app.api.completion_plan import SERVED_MODEL
-from app.api.deps import ServicesDep
+from app.api.deps import CallerDep, ServicesDep
 from app.api.errors import ApiError, error_responses
 from app.api.openai_schemas import ModelCard, ModelList
 from app.api.services import Services
@@ -23,13 +23,14 @@ def model_card(services: Services) -> ModelCard:
                      max_context=services.engine.max_context)
 
 
-@router.get("/v1/models", response_model=ModelList)
-async def list_models(services: ServicesDep) -> ModelList:
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 429))
+async def list_models(services: ServicesDep, _: CallerDep) -> ModelList:
     return ModelList(data=[model_card(services)])
 
 
-@router.get("/v1/models/{model}", response_model=ModelCard, responses=error_responses(404))
-async def get_model(model: str, services: ServicesDep) -> ModelCard:
+@router.get("/v1/models/{model}", response_model=ModelCard,
+            responses=error_responses(401, 404, 429))
+async def get_model(model: str, services: ServicesDep, _: CallerDep) -> ModelCard:
     card = model_card(services)
     if model not in (card.id, card.system_fingerprint):
         raise ApiError(404, f"The model `{model}` does not exist", param="model",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -13,11 +15,21 @@ import jsonschema
 import openai
 import pytest
 
+from app.cli.stack import RunningStack
 from ingest.config import KafkaConfig
 from ingest.events import GenerationLogged
 from ingest.topic_reader import read_all
 
 CHAT = "/v1/chat/completions"
+
+
+@contextmanager
+def admin_client(stack: RunningStack) -> Iterator[httpx.Client]:
+    """An HTTP client of `stack` carrying its admin token."""
+    token = stack.settings.admin_secret().get_secret_value()
+    with httpx.Client(base_url=stack.base_url, timeout=30,
+                      headers={"Authorization": f"Bearer {token}"}) as client:
+        yield client
 
 
 def chat(content: str = "hi", **extra: object) -> dict[str, object]:

@@ -27,6 +27,7 @@ from app.api.token_bytes import max_token_bytes
 from app.cli.stack import RunningStack, running_stack
 from app.settings import Settings
 from ingest.broker import EmbeddedBroker
+from tests.app.api.helpers import admin_client
 from tests.conftest import stack_settings
 
 pytestmark = pytest.mark.integration
@@ -45,9 +46,7 @@ def stack(broker: EmbeddedBroker, model_dir: Path, tmp_path_factory: pytest.Temp
 
 @pytest.fixture
 def http(stack: RunningStack) -> Iterator[httpx.Client]:
-    token = stack.settings.admin_secret().get_secret_value()
-    with httpx.Client(base_url=stack.base_url, timeout=20,
-                      headers={"Authorization": f"Bearer {token}"}) as client:
+    with admin_client(stack) as client:
         yield client
 
 
