@@ -56,6 +56,7 @@ class ApiKey(SQLModel, table=True):
     secret_sha256: str = Field(max_length=64)
     user_id: str = Field(max_length=128, index=True)
     rps: float | None = None  # requests per second; None: no limit
+    private: bool = False  # every request in privacy mode (else a request may ask for it)
     label: str | None = Field(default=None, max_length=200)
     created_at: datetime = Field(default_factory=utcnow)
     revoked_at: datetime | None = None

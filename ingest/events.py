@@ -145,6 +145,15 @@ FeedbackKind = Literal["accept", "reject", "thumbs_up", "thumbs_down", "edit_kep
                        "followup_dissatisfied", "copied", "regenerated"]
 
 
+# A generation served in privacy mode has an id of this prefix, and nothing else of it is
+# written anywhere (not to `sessions`): feedback about it is refused by its id alone
+PRIVATE_GENERATION_PREFIX = "genp-"
+
+
+def is_private_generation(generation_id: str | None) -> bool:
+    return generation_id is not None and generation_id.startswith(PRIVATE_GENERATION_PREFIX)
+
+
 def check_feedback_subject(generation_id: str | None, session_id: str | None) -> None:
     """Feedback is about one generation or a whole session: exactly one (ValueError)."""
     if (generation_id is None) == (session_id is None):

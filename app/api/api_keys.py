@@ -50,6 +50,7 @@ class Caller:
 
     key_id: str
     user_id: str
+    private: bool = False  # the key's requests are all in privacy mode
 
 
 def secret_sha256(secret: str) -> str:
@@ -57,11 +58,12 @@ def secret_sha256(secret: str) -> str:
 
 
 def create_key(db: Engine, *, user_id: str, rps: float | None = None,
-               label: str | None = None) -> tuple[ApiKey, str]:
-    """A new key for `user_id`: its row and the whole key, which nothing keeps."""
+               label: str | None = None, private: bool = False) -> tuple[ApiKey, str]:
+    """A new key for `user_id` (`private`: every request in privacy mode): its row and the
+    whole key, which nothing keeps."""
     key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     row = ApiKey(key_id=key_id, secret_sha256=secret_sha256(secret), user_id=user_id, rps=rps,
-                 label=label)
+                 label=label, private=private)
     with Session(db) as session:
         session.add(row)
         session.commit()
@@ -141,7 +143,7 @@ class KeyCheck:
                 raise ApiKeyError(429, f"the inference key {row.key_id} is limited to "
                                   f"{row.rps:g} requests per second",
                                   retry_after_s=max(1, math.ceil(wait)))
-        return Caller(key_id=row.key_id, user_id=row.user_id)
+        return Caller(key_id=row.key_id, user_id=row.user_id, private=row.private)
 
     def _row(self, key_id: str) -> ApiKey | None:
         now = time.monotonic()

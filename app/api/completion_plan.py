@@ -24,7 +24,7 @@ from app.api.openai_schemas import (
 from app.api.services import Services
 from app.api.token_bytes import max_token_bytes
 from app.api.tool_calls import ToolPlan
-from ingest.events import SamplingParams
+from ingest.events import PRIVATE_GENERATION_PREFIX, SamplingParams
 from serving.engine import GenerationDelta, GenerationRequest, GenerationResult, TopLogprobs
 from serving.tool_parsers import CallEvent, CallParser
 
@@ -41,7 +41,7 @@ class Choice:
     index: int
     prompt: list[int]
     request: GenerationRequest
-    generation_id: str = field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")
+    generation_id: str = field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")  # plan() sets
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[TopLogprobs] = field(default_factory=list)
@@ -87,6 +87,7 @@ class Plan:
     session_id: str | None
     user: str | None
     request_id: str  # the request's X-Request-Id (app/api/guard.py)
+    private: bool = False  # privacy mode: served and counted, nothing of it logged
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -148,9 +149,11 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
 def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
          prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, *,
          request_id: str | None = None, tools: ToolPlan | None = None,
-         caller: Caller | None = None) -> Plan:
+         caller: Caller | None = None, private: bool = False) -> Plan:
     """The generations of one request; `caller`: the inference key's, whose user id is the
-    logged one (the body's `user` is only where keys are off)."""
+    logged one (the body's `user` is only where keys are off); `private`: privacy mode (the
+    request asked, or its key always does), each generation id `genp-…`."""
+    private = private or (caller is not None and caller.private)
     engine, cfg = services.engine, services.settings.engine
     if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -188,7 +191,9 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     choices = []
     for i in range(len(prompts) * body.n):
         seed = None if body.seed is None else body.seed + i % body.n
-        choices.append(Choice(index=i, prompt=prompts[i // body.n], calls=tools.parser()
+        choices.append(Choice(index=i, prompt=prompts[i // body.n], generation_id=(
+            f"{PRIVATE_GENERATION_PREFIX}{uuid.uuid4().hex}" if private
+            else f"gen-{uuid.uuid4().hex}"), calls=tools.parser()
                               if tools is not None else None, request=GenerationRequest(
             prompt_token_ids=prompts[i // body.n], max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
@@ -199,4 +204,4 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 session_id=body.session_id,
                 user=caller.user_id if caller is not None else body.user,
-                request_id=request_id or f"req-{uuid.uuid4().hex}")
+                request_id=request_id or f"req-{uuid.uuid4().hex}", private=private)

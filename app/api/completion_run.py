@@ -53,9 +53,21 @@ async def run_choices(services: Services, p: Plan) -> AsyncGenerator[Step, None]
 
 
 def log_choice(services: Services, p: Plan, choice: Choice) -> None:
+    """Log `choice` to `sessions` (a private one is only counted) and to the metrics."""
     result = choice.result
     now = time.perf_counter()
     version = result.version if result is not None else services.engine.version
+    services.metrics.observe_generation(
+        endpoint=p.kind, prompt_tokens=len(choice.prompt), completion_tokens=len(choice.tokens),
+        latency_s=now - choice.started,
+        ttft_s=(choice.first_token_at - choice.started) if choice.first_token_at else None,
+        finish_reason=result.finish_reason if result else "cancelled")
+    if choice.calls is not None and choice.calls.invalid:
+        services.metrics.invalid_tool_calls.labels(model_version=str(version.number)).inc(
+            len(choice.calls.invalid))
+    if p.private:
+        services.metrics.private_generations.labels(p.kind).inc()
+        return
     routes = result.routed_experts if result is not None else None
     event = GenerationLogged(
         generation_id=choice.generation_id, request_id=p.request_id,
@@ -72,14 +84,6 @@ def log_choice(services: Services, p: Plan, choice: Choice) -> None:
         services.session_log.submit(event)
     else:
         services.producer.send(services.kafka.topics.sessions, choice.generation_id, event)
-    services.metrics.observe_generation(
-        endpoint=p.kind, prompt_tokens=len(choice.prompt), completion_tokens=len(choice.tokens),
-        latency_s=now - choice.started,
-        ttft_s=(choice.first_token_at - choice.started) if choice.first_token_at else None,
-        finish_reason=event.finish_reason)
-    if choice.calls is not None and choice.calls.invalid:
-        services.metrics.invalid_tool_calls.labels(model_version=str(version.number)).inc(
-            len(choice.calls.invalid))
 
 
 async def _until_disconnected(request: Request) -> None:

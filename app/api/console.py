@@ -38,6 +38,7 @@ class ConsoleSnapshot(BaseModel):
     experiences_produced: int  # what the join wrote to `experiences`; the trainer consumes it
     spool: dict[str, int]  # the session log's local spool awaiting replay
     webhook_rejections: dict[str, int]  # by reason
+    private: dict[str, int]  # this replica's generations: all, and those in privacy mode
     delta_bytes: dict[str, int | None]  # per release version: bytes a replica fetches
 
 
@@ -141,4 +142,6 @@ def snapshot(feeds: ConsoleFeeds, metrics: Metrics, engine_version: Any,
                "bytes": stats.spool_bytes if stats else 0},
         webhook_rejections={r: int(metrics.value("flywheel_feedback_rejected_total",
                                                  {"reason": r})) for r in REJECTION_REASONS},
+        private={"generations": int(metrics.total("flywheel_generations_total")),
+                 "private": int(metrics.total("flywheel_private_generations_total"))},
         delta_bytes=feeds.delta_bytes(releases))

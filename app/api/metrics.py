@@ -28,7 +28,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # why a webhook was refused: the error codes of app/api/routes/feedback.py's refusals
 REJECTION_REASONS = ("invalid_signature", "invalid_body", "request_too_large",
-                     "batch_too_large", "log_unavailable")
+                     "batch_too_large", "log_unavailable", "private_generation")
 
 
 class _LiveState(Collector):
@@ -129,6 +129,9 @@ class Metrics:
         self.invalid_tool_calls = Counter(
             "flywheel_invalid_tool_calls", "Tool calls the model wrote that did not parse or "
             "named a tool the request did not offer", ["model_version"], registry=self.registry)
+        self.private_generations = Counter(
+            "flywheel_private_generations", "Generations served in privacy mode: counted, "
+            "never logged to sessions nor trained on", ["endpoint"], registry=r)
         self.feedback_events = Counter("flywheel_feedback_events", "Feedback events accepted "
                                        "by the webhooks", ["outcome"], registry=r)
         self.feedback_rejected = Counter("flywheel_feedback_rejected", "Webhook requests "
@@ -169,6 +172,11 @@ class Metrics:
 
     def reject_feedback(self, reason: str) -> None:
         self.feedback_rejected.labels(reason).inc()
+
+    def total(self, name: str) -> float:
+        """The sum of one counter's samples over all its labels."""
+        return sum(s.value for m in self.registry.collect() for s in m.samples
+                   if s.name == name)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample's current value (0 when absent), for the console."""

@@ -138,6 +138,8 @@ class KeyRequest(BaseModel):
                               description="requests per second (per API replica); none: no "
                                           "limit")
     label: str | None = Field(default=None, max_length=200)
+    private: bool = Field(default=False, description="every request in privacy mode: served, "
+                          "never logged to sessions nor trained on")
 
 
 class KeyInfo(BaseModel):
@@ -147,6 +149,7 @@ class KeyInfo(BaseModel):
     user_id: str
     rps: float | None
     label: str | None
+    private: bool
     created_at: datetime
     revoked_at: datetime | None
 

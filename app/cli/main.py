@@ -78,7 +78,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
             if args.rps is not None and not args.rps > 0:
                 print("flywheel keys create: --rps must be above 0", file=sys.stderr)
                 return 2
-            row, key = create_key(db, user_id=args.user, rps=args.rps, label=args.label)
+            row, key = create_key(db, user_id=args.user, rps=args.rps, label=args.label,
+                                  private=args.private)
             print(f"{key}\n(key {row.key_id} for user {row.user_id}: shown this once, only "
                   "its hash is kept)")
         elif args.action == "list":
@@ -86,7 +87,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M:%S}" if row.revoked_at \
                     else "active"
                 limit = f"{row.rps:g} rps" if row.rps is not None else "no limit"
-                print(f"{row.key_id}  user={row.user_id}  {limit}  {state}  {row.label or ''}")
+                private = "  private" if row.private else ""
+                print(f"{row.key_id}  user={row.user_id}  {limit}  {state}{private}  "
+                      f"{row.label or ''}")
         else:
             revoked = revoke_key(db, args.key_id)
             if revoked is None:
@@ -311,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--user", required=True, help="the user id its generations log")
     create.add_argument("--rps", type=float, help="requests per second (per API replica)")
     create.add_argument("--label")
+    create.add_argument("--private", action="store_true",
+                        help="every request in privacy mode (never logged nor trained on)")
     with_common(keys.add_parser("list", help="every key, without secrets"))
     revoke = with_common(keys.add_parser("revoke", help="refused within a second"))
     revoke.add_argument("key_id")

@@ -238,6 +238,22 @@ _STREAMED = {"content": {"text/event-stream": {"itemSchema": _SSE_EVENT}},
 _RESPONSES = {200: _STREAMED, **error_responses(400, 401, 404, 429, 503)}  # + 413, 500
 
 
+PRIVACY_HEADER = "X-Flywheel-Privacy"
+_PRIVACY = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def privacy_asked(request: Request) -> bool:
+    """Whether the request asks for privacy mode (`X-Flywheel-Privacy: on`); any caller may,
+    and a key made `private` always does (a request cannot turn that off)."""
+    value = request.headers.get(PRIVACY_HEADER)
+    if value is None:
+        return False
+    if value.strip().lower() not in _PRIVACY:
+        raise ApiError(400, f"{PRIVACY_HEADER} must be on or off, not {value!r}",
+                       param=PRIVACY_HEADER, code="invalid_value")
+    return _PRIVACY[value.strip().lower()]
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses=_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
@@ -259,7 +275,8 @@ async def chat_completions(body: ChatCompletionRequest, services: ServicesDep,
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     p = plan(services, "chat", body, [prompt], body.max_completion_tokens or body.max_tokens,
-             logprobs, request_id=request_id_of(request), tools=tools, caller=caller)
+             logprobs, request_id=request_id_of(request), tools=tools, caller=caller,
+             private=privacy_asked(request))
     return await respond(services, p, request, response, stream=body.stream)
 
 
@@ -275,5 +292,5 @@ async def completions(body: CompletionRequest, services: ServicesDep, caller: Ca
     if not prompts:
         raise ApiError(400, "the prompt is empty", param="prompt")
     p = plan(services, "completion", body, prompts, body.max_tokens, body.logprobs,
-             request_id=request_id_of(request), caller=caller)
+             request_id=request_id_of(request), caller=caller, private=privacy_asked(request))
     return await respond(services, p, request, response, stream=body.stream)

@@ -36,7 +36,7 @@ from app.api.schemas import (
 )
 from app.api.services import Services
 from app.settings import Settings
-from ingest.events import FeedbackReceived
+from ingest.events import FeedbackReceived, is_private_generation
 from ingest.signing import SIGNATURE_HEADER, SignatureError, verify
 
 
@@ -62,7 +62,8 @@ def rejection_reason(exc: Exception) -> str | None:
         if exc.status_code == status.HTTP_503_SERVICE_UNAVAILABLE:
             return "log_unavailable"
         return {"invalid_signature": "invalid_signature", "batch_too_large": "batch_too_large",
-                "request_too_large": "request_too_large"}.get(exc.code or "", "invalid_body")
+                "request_too_large": "request_too_large",
+                "private_generation": "private_generation"}.get(exc.code or "", "invalid_body")
     return None
 
 
@@ -104,6 +105,7 @@ _SIGNED = {"parameters": [{
 @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED, responses=_ERRORS,
              response_model=FeedbackAccepted, openapi_extra=_SIGNED)
 async def post_feedback(event: FeedbackRequest, services: ServicesDep) -> Response:
+    refuse_private([event], "generation_id")
     [duplicate] = await accept(services, [event.event()])
     return _accepted(FeedbackAccepted(event_id=event.event_id, duplicate=duplicate))
 
@@ -116,6 +118,7 @@ async def post_feedback_batch(batch: FeedbackBatchRequest, services: ServicesDep
         raise ApiError(status.HTTP_413_CONTENT_TOO_LARGE,
                        f"batch of {len(events)} events exceeds {limit}", param="events",
                        code="batch_too_large")
+    refuse_private(events, "events.{}.generation_id")
     duplicates = await accept(services, [e.event() for e in events])
     repeated = sum(duplicates)
     return _accepted(FeedbackBatchAccepted(
@@ -130,6 +133,16 @@ def _accepted(reply: FeedbackAccepted | FeedbackBatchAccepted) -> Response:
     that took about a sixth of a single event's CPU on the event loop."""
     return Response(reply.model_dump_json(), status.HTTP_202_ACCEPTED,
                     media_type="application/json")
+
+
+def refuse_private(events: Sequence[FeedbackRequest], param: str) -> None:
+    """422 for feedback about a generation served in privacy mode: it was never logged, and
+    never trains (the whole request refused, counted as `private_generation`)."""
+    for i, event in enumerate(events):
+        if is_private_generation(event.generation_id):
+            raise ApiError(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{event.generation_id} was "
+                           "served in privacy mode: it is not logged and takes no feedback",
+                           param=param.format(i), code="private_generation")
 
 
 async def accept(services: Services, events: Sequence[FeedbackReceived]) -> list[bool]:

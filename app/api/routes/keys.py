@@ -18,7 +18,8 @@ router = APIRouter(prefix="/admin/keys", tags=["admin"])
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=KeyCreated,
              responses=error_responses(401, 422))
 def make_key(body: KeyRequest, services: ServicesDep, _: AdminDep) -> KeyCreated:
-    row, key = create_key(services.db, user_id=body.user_id, rps=body.rps, label=body.label)
+    row, key = create_key(services.db, user_id=body.user_id, rps=body.rps, label=body.label,
+                          private=body.private)
     return KeyCreated(**row.model_dump(exclude={"secret_sha256"}), key=key)
 
 

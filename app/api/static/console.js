@@ -194,6 +194,10 @@ async function refresh() {
       el("td", { class: "num" }, p.end), el("td", { class: "num" }, p.committed ?? "–"),
       el("td", { class: "num" }, p.lag))));
   $("spool").textContent = `${figures.spool.records} records, ${bytes(figures.spool.bytes)}`;
+  const { generations, private: hidden } = figures.private;
+  $("private").textContent = `${hidden} of ${generations} generations` +
+    (generations ? ` (${(100 * hidden / generations).toFixed(1)}%)` : "") +
+    " in privacy mode: served, never logged nor trained on";
   fill(document.querySelector("#rejections tbody"),
     Object.entries(figures.webhook_rejections).map(([reason, n]) =>
       el("tr", {}, el("td", {}, reason), el("td", { class: "num" }, n))));

@@ -1,5 +1,6 @@
-"""Inference keys on a running stack (keys required, as the production profile has them):
-who may call /v1, as which user, how often; and the admin API and CLI that manage them."""
+"""Inference keys and privacy mode on a running stack (keys required, as the production profile
+has them): who may call /v1, as which user, how often, whose generations are logged; and the
+admin API and CLI that manage keys."""
 
 from __future__ import annotations
 
@@ -120,6 +121,55 @@ def test_keys_are_listed_without_secrets_and_stored_as_hashes(
     assert httpx.get(f"{stack.base_url}/admin/keys", timeout=30).status_code == 401
     bad = admin.post("/admin/keys", json={"user_id": "u", "rps": 0})
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "rps"
+
+
+def private_chat(stack: RunningStack, key: str, **headers: str) -> httpx.Response:
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "def secret_sauce():"}], "max_tokens": 4},
+        headers={"Authorization": f"Bearer {key}", **headers})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_private_generation_is_served_counted_and_never_logged(
+        stack: RunningStack, admin: httpx.Client) -> None:
+    key = new_key(admin, "u-frank")
+    asked = private_chat(stack, key, **{"X-Flywheel-Privacy": "on"})
+    forced = private_chat(stack, new_key(admin, "u-grace", private=True),
+                          **{"X-Flywheel-Privacy": "off"})  # a private key cannot be undone
+    public = private_chat(stack, key)
+    private_ids = {asked.json()["id"], forced.json()["id"]}
+    assert all(i.startswith("genp-") for i in private_ids)
+    assert asked.json()["choices"][0]["message"]["content"] is not None  # served all the same
+    logged = wait_for_sessions(stack.kafka, {public.json()["id"]})  # the log has flushed
+    assert public.json()["id"] in logged
+    assert not private_ids & set(logged)
+    private_requests = {asked.headers["x-request-id"], forced.headers["x-request-id"]}
+    assert not {e.request_id for e in logged.values()} & private_requests
+    figures = admin.get("/admin/console").json()["private"]
+    assert figures["private"] >= 2 and figures["generations"] >= 3
+    assert "flywheel_private_generations_total" in httpx.get(f"{stack.base_url}/metrics").text
+
+    bad = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {key}", "X-Flywheel-Privacy": "maybe"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Flywheel-Privacy"
+
+
+def test_feedback_about_a_private_generation_is_refused_and_counted(
+        stack: RunningStack, admin: httpx.Client) -> None:
+    key = new_key(admin, "u-heidi")
+    generation = private_chat(stack, key, **{"X-Flywheel-Privacy": "on"}).json()["id"]
+    r = httpx.post(f"{stack.base_url}/v1/feedback", timeout=30, json={
+        "event_id": "fb-private", "generation_id": generation, "kind": "accept"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "private_generation"
+    batch = httpx.post(f"{stack.base_url}/v1/feedback/batch", timeout=30, json={"events": [
+        {"event_id": "fb-1", "generation_id": "gen-x", "kind": "accept"},
+        {"event_id": "fb-2", "generation_id": generation, "kind": "reject"}]})
+    assert batch.status_code == 422 and batch.json()["error"]["param"] == "events.1.generation_id"
+    metrics = httpx.get(f"{stack.base_url}/metrics", timeout=30).text
+    assert 'flywheel_feedback_rejected_total{reason="private_generation"} 2.0' in metrics
 
 
 def test_the_cli_makes_lists_and_revokes_keys(tmp_path: Path) -> None:
