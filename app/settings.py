@@ -14,6 +14,7 @@ settings are flat so `FLYWHEEL_KAFKA_BOOTSTRAP` and `FLYWHEEL_DATABASE_URL` read
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import tempfile
@@ -172,6 +173,17 @@ class Settings(BaseSettings):
         if self.require_api_keys is None:
             return self.profile == "production"
         return self.require_api_keys
+
+    @property
+    def open_to_the_network(self) -> bool:
+        """Serving /v1 without keys on an address other machines can reach (warned at start:
+        anyone who reaches it generates, and what they type is logged and trained on)."""
+        if self.api_keys_required or self.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: assume it resolves beyond this machine
+            return True
 
     def admin_secret(self) -> SecretStr:
         """The admin API's token: `admin_token`, or where none is set (the embedded profile)

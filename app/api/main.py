@@ -63,6 +63,11 @@ def build_services(settings: Settings) -> Services:
     metrics = Metrics()
     if not settings.feedback_secrets:
         log.warning("FLYWHEEL_FEEDBACK_SECRETS is empty: feedback webhooks are not verified")
+    if settings.open_to_the_network:
+        log.warning("WARNING: /v1 is served on %s without inference keys: anyone who reaches "
+                    "it generates, and what they send is logged and trained on. Set "
+                    "FLYWHEEL_REQUIRE_API_KEYS=true (flywheel keys create --user U)",
+                    settings.host)
     services = Services(settings=settings, kafka=kafka, engine=engine, producer=producer,
                         db=db, tokenizer=engine.tokenizer, session_log=session_log,
                         metrics=metrics, admin=settings.admin_secret())

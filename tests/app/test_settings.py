@@ -72,6 +72,15 @@ def test_production_without_an_admin_token_exits_naming_it(tmp_path: Path) -> No
     assert not (tmp_path / "admin_token").exists()
 
 
+@pytest.mark.parametrize("host, keys, open_", [
+    ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False),
+    ("0.0.0.0", None, True), ("10.1.2.3", None, True), ("flywheel.internal", None, True),
+    ("0.0.0.0", True, False)])
+def test_serving_beyond_this_machine_without_keys_is_flagged(host: str, keys: bool | None,
+                                                             open_: bool) -> None:
+    assert Settings(host=host, require_api_keys=keys).open_to_the_network is open_
+
+
 def test_embedded_makes_one_admin_token_per_data_dir(tmp_path: Path) -> None:
     token = Settings(data_dir=tmp_path).admin_secret().get_secret_value()
     assert len(token) >= 32 and token != "flywheel-admin"
