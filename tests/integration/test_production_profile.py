@@ -34,7 +34,8 @@ def test_app_runs_on_postgres(postgres_url: str, kafka: KafkaConfig, tmp_path,
                               model_dir) -> None:
     settings = Settings(profile="production", kafka_bootstrap=kafka.bootstrap,
                         topics=kafka.topics, database_url=postgres_url, data_dir=tmp_path,
-                        model_dir=model_dir, port=0, feedback_secrets=[SECRET])
+                        model_dir=model_dir, port=0, feedback_secrets=[SECRET],
+                        admin_token="an operator's own")
     event_id = f"pg-{uuid.uuid4().hex}"
     body = json.dumps({"event_id": event_id, "generation_id": "g", "kind": "thumbs_up"}).encode()
     with running_stack(settings) as stack, httpx.Client(base_url=stack.base_url) as http:
@@ -44,6 +45,14 @@ def test_app_runs_on_postgres(postgres_url: str, kafka: KafkaConfig, tmp_path,
         r = http.post("/v1/feedback", content=body, headers={
             "content-type": "application/json", SIGNATURE_HEADER: sign(SECRET, None, body)})
         assert r.status_code == 202, r.text
+        # inference keys are required, kept in PostgreSQL
+        assert http.get("/v1/models").status_code == 401
+        made = http.post("/admin/keys", json={"user_id": "u-pg"},
+                         headers={"Authorization": "Bearer an operator's own"})
+        assert made.status_code == 201, made.text
+        key = made.json()["key"]
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}
+                        ).status_code == 200
     from sqlalchemy import create_engine
 
     engine = create_engine(postgres_url)

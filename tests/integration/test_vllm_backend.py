@@ -69,7 +69,7 @@ def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     env = {"FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_RELEASE__SNAPSHOT_EVERY": "3",
            "FLYWHEEL_RELEASE__EVAL__KIND": "heldout_loss",
            "FLYWHEEL_RELEASE__EVAL__SEQUENCES": "2", "FLYWHEEL_RELEASE__EVAL__SEQ_LEN": "64"}
-    settings = Settings()
+    settings = Settings(data_dir=data)
     with flywheel_up(data, model_dir, **env) as (url, kafka):
         yield Up(url, settings.kafka_config(kafka), data,
                  {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"})
