@@ -185,10 +185,15 @@ class Settings(BaseSettings):
         except ValueError:  # a host name: assume it resolves beyond this machine
             return True
 
+    @property
+    def admin_token_is_local(self) -> bool:
+        """No admin token set (or a blank one): the data dir keeps its own."""
+        return self.admin_token is None or not self.admin_token.get_secret_value().strip()
+
     def admin_secret(self) -> SecretStr:
         """The admin API's token: `admin_token`, or where none is set (the embedded profile)
         the data dir's own, made on first use (`local_admin_token`)."""
-        if self.admin_token is not None and self.admin_token.get_secret_value().strip():
+        if self.admin_token is not None and not self.admin_token_is_local:
             return self.admin_token
         return local_admin_token(self.data_dir)
 

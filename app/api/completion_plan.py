@@ -41,7 +41,7 @@ class Choice:
     index: int
     prompt: list[int]
     request: GenerationRequest
-    generation_id: str = field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")  # plan() sets
+    generation_id: str  # new_generation_id()
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[TopLogprobs] = field(default_factory=list)
@@ -146,6 +146,11 @@ def completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | lis
     return out
 
 
+def new_generation_id(private: bool) -> str:
+    """A generation's id: `gen-…`, or `genp-…` in privacy mode (the webhook refuses by it)."""
+    return f"{PRIVATE_GENERATION_PREFIX if private else 'gen-'}{uuid.uuid4().hex}"
+
+
 def plan(services: Services, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
          prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, *,
          request_id: str | None = None, tools: ToolPlan | None = None,
@@ -191,9 +196,8 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     choices = []
     for i in range(len(prompts) * body.n):
         seed = None if body.seed is None else body.seed + i % body.n
-        choices.append(Choice(index=i, prompt=prompts[i // body.n], generation_id=(
-            f"{PRIVATE_GENERATION_PREFIX}{uuid.uuid4().hex}" if private
-            else f"gen-{uuid.uuid4().hex}"), calls=tools.parser()
+        choices.append(Choice(index=i, prompt=prompts[i // body.n],
+                              generation_id=new_generation_id(private), calls=tools.parser()
                               if tools is not None else None, request=GenerationRequest(
             prompt_token_ids=prompts[i // body.n], max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, stop=stop,

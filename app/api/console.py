@@ -140,8 +140,8 @@ def snapshot(feeds: ConsoleFeeds, metrics: Metrics, engine_version: Any,
         experiences_produced=feeds.experiences_produced(),
         spool={"records": stats.spool_records if stats else 0,
                "bytes": stats.spool_bytes if stats else 0},
-        webhook_rejections={r: int(metrics.value("flywheel_feedback_rejected_total",
-                                                 {"reason": r})) for r in REJECTION_REASONS},
-        private={"generations": int(metrics.total("flywheel_generations_total")),
-                 "private": int(metrics.total("flywheel_private_generations_total"))},
+        webhook_rejections={r: int(metrics.counted(metrics.feedback_rejected, {"reason": r}))
+                            for r in REJECTION_REASONS},
+        private={"generations": int(metrics.counted(metrics.generations)),
+                 "private": int(metrics.counted(metrics.private_generations))},
         delta_bytes=feeds.delta_bytes(releases))

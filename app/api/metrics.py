@@ -173,14 +173,14 @@ class Metrics:
     def reject_feedback(self, reason: str) -> None:
         self.feedback_rejected.labels(reason).inc()
 
-    def total(self, name: str) -> float:
-        """The sum of one counter's samples over all its labels."""
-        return sum(s.value for m in self.registry.collect() for s in m.samples
-                   if s.name == name)
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """One sample's current value (0 when absent), for the console."""
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
+    @staticmethod
+    def counted(counter: Counter, labels: dict[str, str] | None = None) -> float:
+        """One counter's count over its samples matching `labels` (all: the total), for the
+        console. Read from the counter alone: a read of the registry runs every collector,
+        the trainer's status query in SQL among them."""
+        return sum(s.value for m in counter.collect() for s in m.samples
+                   if s.name.endswith("_total")
+                   and all(s.labels.get(k) == v for k, v in (labels or {}).items()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

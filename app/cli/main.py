@@ -57,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     stop = stop_on_signals()
     with running_stack(settings) as stack:
-        if settings.admin_token is None:  # the path, never the token
+        if settings.admin_token_is_local:  # the path, never the token
             print(f"admin token: in {settings.data_dir / ADMIN_TOKEN_FILE} (or set "
                   "FLYWHEEL_ADMIN_TOKEN)", flush=True)
         print(f"READY {stack.base_url} kafka={stack.kafka.bootstrap}", flush=True)
@@ -68,6 +68,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     """`flywheel keys`: on the SQL database the API reads keys from (FLYWHEEL_DATABASE_URL)."""
     from app.api.api_keys import create_key, list_keys, revoke_key
+    from app.api.schemas import KeyRequest
     from app.db import make_db_engine
 
     settings = _settings(args)
@@ -75,11 +76,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
     db = make_db_engine(settings.resolved_database_url)
     try:
         if args.action == "create":
-            if args.rps is not None and not args.rps > 0:
-                print("flywheel keys create: --rps must be above 0", file=sys.stderr)
+            try:  # the admin API's rules for a new key
+                asked = KeyRequest(user_id=args.user, rps=args.rps, label=args.label,
+                                   private=args.private)
+            except ValidationError as error:
+                print(f"flywheel keys create: {error}", file=sys.stderr)
                 return 2
-            row, key = create_key(db, user_id=args.user, rps=args.rps, label=args.label,
-                                  private=args.private)
+            row, key = create_key(db, user_id=asked.user_id, rps=asked.rps, label=asked.label,
+                                  private=asked.private)
             print(f"{key}\n(key {row.key_id} for user {row.user_id}: shown this once, only "
                   "its hash is kept)")
         elif args.action == "list":

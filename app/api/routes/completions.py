@@ -248,10 +248,11 @@ def privacy_asked(request: Request) -> bool:
     value = request.headers.get(PRIVACY_HEADER)
     if value is None:
         return False
-    if value.strip().lower() not in _PRIVACY:
+    asked = _PRIVACY.get(value.strip().lower())
+    if asked is None:
         raise ApiError(400, f"{PRIVACY_HEADER} must be on or off, not {value!r}",
                        param=PRIVACY_HEADER, code="invalid_value")
-    return _PRIVACY[value.strip().lower()]
+    return asked
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,

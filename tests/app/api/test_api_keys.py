@@ -192,3 +192,5 @@ def test_the_cli_makes_lists_and_revokes_keys(tmp_path: Path) -> None:
     assert "revoked" in flywheel("list").stdout
     gone = flywheel("revoke", "nope")
     assert gone.returncode == 1 and "no key nope" in gone.stderr
+    refused = flywheel("create", "--user", "u-cli", "--rps", "0")
+    assert refused.returncode == 2 and "rps" in refused.stderr
