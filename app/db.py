@@ -2,7 +2,8 @@
 
 Tables here are the API's memory that must survive restarts: feedback receipts (the
 webhook's idempotency record), the model versions a process has served, which replica
-serves which version now, and the inference keys (app/api/api_keys.py). The release
+serves which version now, the inference keys (app/api/api_keys.py), and the record of each
+user's deletion (`UserDeletion`, ingest/deletions.py: the trainer reads it too). The release
 history is the release pipeline's table (trainer/release/pipeline.py), the trainer's control queue
 trainer/online/control.py's.
 """
@@ -14,6 +15,7 @@ from datetime import datetime
 from sqlalchemy import Engine
 from sqlmodel import Field, SQLModel
 
+from ingest.deletions import UserDeletion
 from ingest.events import utcnow
 from ingest.sql import open_database
 
@@ -60,6 +62,10 @@ class ApiKey(SQLModel, table=True):
     label: str | None = Field(default=None, max_length=200)
     created_at: datetime = Field(default_factory=utcnow)
     revoked_at: datetime | None = None
+
+
+__all__ = ["ApiKey", "FeedbackReceipt", "ReplicaSeen", "ServedVersion", "UserDeletion",
+           "make_db_engine"]
 
 
 def make_db_engine(url: str) -> Engine:

@@ -49,6 +49,7 @@ from ingest.signing import SIGNATURE_HEADER, sign  # noqa: E402
 
 SECRET = "bench-secret"
 CONCURRENCY = 32
+USERS = 500  # distinct users the synthetic sessions belong to
 
 
 def app_factory():  # type: ignore[no-untyped-def]  # uvicorn --factory, settings from env
@@ -308,7 +309,7 @@ def bench_join(settings: Settings, sessions: int, expected: int, database_url: s
 
 
 def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: int = 2,
-                      top_k: int = 2) -> GenerationLogged:
+                      top_k: int = 2, user_id: str | None = None) -> GenerationLogged:
     """A valid GenerationLogged with random tokens, logprobs and routes (the join's tests use
     it too)."""
     p, t = int(rng.integers(4, 12)), int(rng.integers(1, 10))
@@ -319,7 +320,7 @@ def synthetic_session(generation_id: str, rng: np.random.Generator, *, layers: i
         logprobs=PackedArray.pack(-rng.random(t), "float32"),
         routed_experts=PackedArray.pack(rng.integers(0, 8, (p + t - 1, layers, top_k)), "int16"),
         sampling=SamplingParams(temperature=0.8, max_tokens=t), finish_reason="length",
-        latency_ms=3.0)
+        latency_ms=3.0, user_id=user_id)
 
 
 def produce_sessions(settings: Settings, generations: list[str]) -> None:
@@ -328,8 +329,9 @@ def produce_sessions(settings: Settings, generations: list[str]) -> None:
     kafka = settings.kafka_config(str(settings.kafka_bootstrap))
     producer = EventProducer(kafka)
     rng = np.random.default_rng(0)
-    for g in generations:
-        producer.send(kafka.topics.sessions, g, synthetic_session(g, rng))
+    for i, g in enumerate(generations):  # as real traffic: every generation names its user
+        producer.send(kafka.topics.sessions, g,
+                      synthetic_session(g, rng, user_id=f"user-{i % USERS}"))
     producer.flush()
     producer.close()
 

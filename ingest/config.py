@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class TopicSettings(BaseModel):
@@ -25,10 +25,23 @@ class TopicSettings(BaseModel):
     # partition to the first's two, and two members ran 1.2-1.5x one
     partitions: int = Field(default=6, ge=1, le=1024)
     replication_factor: int = Field(default=1, ge=1, le=7)
+    # topics (of sessions, feedback, experiences) that `ensure_topics` creates compacted as
+    # well as time-limited (`cleanup.policy=compact,delete`): a user's deletion writes
+    # tombstones for their keys there, which compaction turns into the records' removal
+    # before retention would. None by default: every topic is kept for its retention only.
+    compacted: list[str] = Field(default_factory=list)
 
     def names(self) -> list[str]:
         return [self.sessions, self.feedback, self.experiences, self.releases, self.dlq,
                 self.rollout_jobs, self.rollouts, self.policy]
+
+    @model_validator(mode="after")
+    def _compacted_keyed_by_user_data(self) -> TopicSettings:
+        allowed = {self.sessions, self.feedback, self.experiences}
+        if not set(self.compacted) <= allowed:
+            raise ValueError(f"compacted topics are among {sorted(allowed)}, not "
+                             f"{sorted(set(self.compacted) - allowed)}")
+        return self
 
 
 class KafkaClientSettings(BaseModel):

@@ -226,6 +226,9 @@ class ExperienceReady(BaseModel):
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     turn: int | None = Field(default=None, ge=0)
     turns: int | None = Field(default=None, ge=1)
+    # the generation's user (None: none was given, or a record from before this field):
+    # by it the trainer skips a deleted user's experiences (ingest.deletions)
+    user_id: str | None = None
     reward: float
     model_version: int = Field(ge=0)
     model_sha256: str
@@ -249,7 +252,8 @@ class ExperienceReady(BaseModel):
                 feedback.event_id, session.generation_id if verdict else None),
             generation_id=session.generation_id, feedback_event_ids=[feedback.event_id],
             feedback_kind=feedback.kind, feedback_value=feedback.value,
-            session_id=feedback.session_id, turn=turn, turns=turns, reward=float(reward),
+            session_id=feedback.session_id, turn=turn, turns=turns, user_id=session.user_id,
+            reward=float(reward),
             model_version=session.model_version, model_sha256=session.model_sha256,
             prompt_token_ids=session.prompt_token_ids,
             completion_token_ids=session.completion_token_ids, logprobs=session.logprobs,

@@ -21,7 +21,8 @@ experience once; consumers dedupe by key anyway (at-least-once everywhere).
 
 Feedback may also be a verdict on a whole agent session (`session_id`, keyed by it): it
 becomes one experience per turn of the session, once settled (`ingest.join_sessions`).
-Entries unmatched after `expire_after_s` go to `dlq` with the reason.
+Entries unmatched after `expire_after_s` go to `dlq` with the reason. A deleted user's
+sessions are dropped on arrival when generated before the deletion (`ingest.deletions`).
 
 Several processes scale it out as one consumer group over one SQL state: every producer
 partitions by CRC-32 of the key and both topics are keyed by generation_id, so a generation's
@@ -69,6 +70,7 @@ class JoinStats:
     verdicts: int = 0  # session verdicts among `feedback`
     verdicts_expanded: int = 0
     expired_verdicts: int = 0
+    forgotten: int = 0  # sessions of deleted users dropped on arrival
 
 
 class Join:
@@ -132,6 +134,11 @@ class Join:
         now = self.clock()
         sessions, feedback, verdicts, received = _split(records)
         with self.db.begin() as conn:
+            # a deleted user's sessions that arrive late are dropped, with what waits for them
+            forgotten = store.forgotten_among(conn, [d.event for d in sessions.values()])
+            if forgotten:
+                sessions = {g: d for g, d in sessions.items() if g not in forgotten}
+                store.drop_feedback(conn, forgotten)
             unseen = store.unseen_feedback(conn, feedback)
             fresh = [d.event for e, d in feedback.items() if e in unseen]
             known = {g: d.event for g, d in sessions.items()}
@@ -145,8 +152,10 @@ class Join:
                 for g, d in sessions.items()], [d.event for d in sessions.values()])
             # a matched event's payload is never read again: only pending ones keep it
             store.add_feedback(conn, [store.FeedbackRow(
-                f.event_id, f.key, "" if f.key in known else feedback[f.event_id].raw.decode(),
-                now, store.MATCHED if f.key in known else store.PENDING) for f in fresh])
+                f.event_id, f.key, "" if f.key in known or f.key in forgotten
+                else feedback[f.event_id].raw.decode(), now,
+                store.MATCHED if f.key in known else
+                store.DELETED if f.key in forgotten else store.PENDING) for f in fresh])
             store.sessions_matched(conn, matched - sessions.keys())
             new_verdicts = store.add_verdicts(
                 conn, [(d.event, d.raw, d.partition) for d in verdicts.values()], now)
@@ -157,6 +166,7 @@ class Join:
                                   ExperienceReady.of(s, f, reward_for(f, rewards)))
                                  for f, s in pairs])
         self.stats.sessions += len(sessions)
+        self.stats.forgotten += len(forgotten)
         self.stats.feedback += len(fresh) + len(new_verdicts)
         self.stats.verdicts += len(new_verdicts)
         self.stats.duplicates += received - len(fresh) - len(new_verdicts)
@@ -205,10 +215,21 @@ class Join:
     def sweep(self) -> None:
         """Every `sweep_every_s`: match what two members left pending, expand the settled
         session verdicts, expire what stayed unmatched."""
+        self.forget_again()
         self.rematch()
         self.expand_verdicts()
         self.expire()
         self._next_sweep = self.clock() + self.settings.sweep_every_s
+
+    def forget_again(self) -> None:
+        """Apply again the deletions younger than `expire_after_s` (`ingest.deletions`): a
+        transaction that stored a deleted user's session while the deletion ran (on
+        PostgreSQL the two do not wait for each other) is undone here."""
+        now = self.clock()
+        with self.db.begin() as conn:
+            for user_id, before in store.forgotten_since(
+                    conn, now - self.settings.expire_after_s):
+                store.forget_user(conn, user_id, before, now)
 
     def rematch(self) -> None:
         """Match pending feedback whose session is stored after all. Sessions and feedback are

@@ -13,6 +13,12 @@ PostgreSQL by URL, shared by every member of the join's group).
 - `join_verdict`: every session verdict's event id (for dedupe) and its state:
   pending (its JSON kept), expanded or expired; `source` is its input partition, whose owner
   expands it.
+- `join_session_user`: generation_id -> user_id, session_id, created_at for every generation
+  that names a user; kept after its session expires (the topics keep records longer than the
+  join keeps sessions), so a user's deletion finds every key of theirs to tombstone.
+- `join_forgotten`: per deleted user, the time before which their generations are forgotten:
+  a session of theirs arriving late (generated before it) is dropped on arrival, with the
+  feedback waiting for it (`ingest.deletions`).
 - `join_progress`: per input partition (`source`) and experiences partition, the highest
   offset of an experience of that source the broker acknowledged, written in the transaction
   that stores the matches: after a crash, the new owner of the source reads the experiences
@@ -32,11 +38,12 @@ from pydantic import BaseModel
 from sqlalchemy import Connection, Index, Text, delete, insert, select, text, update
 from sqlmodel import Column, Field, SQLModel, col
 
-from ingest.events import FeedbackReceived, GenerationLogged
+from ingest.events import FeedbackReceived, GenerationLogged, experience_id_for
 from ingest.log import list_adapter
 from ingest.sql import IDS, chunks, existing_ids, insert_rows
 
 PENDING, MATCHED, EXPANDED, EXPIRED = "pending", "matched", "expanded", "expired"
+DELETED = "deleted"  # its user's data was deleted before it could be matched
 _IS_PENDING = text("state = 'pending'")
 E = TypeVar("E", bound=BaseModel)
 
@@ -90,6 +97,23 @@ class JoinVerdict(SQLModel, table=True):
     state: str = Field(default=PENDING, max_length=16)
 
 
+class JoinSessionUser(SQLModel, table=True):
+    __tablename__ = "join_session_user"
+
+    generation_id: str = Field(primary_key=True, max_length=128)
+    user_id: str = Field(sa_column=Column(Text, nullable=False, index=True))
+    session_id: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: float  # unix seconds
+
+
+class JoinForgotten(SQLModel, table=True):
+    __tablename__ = "join_forgotten"
+
+    user_id: str = Field(sa_column=Column(Text, primary_key=True))
+    before: float  # unix seconds: generations of this user created up to then are forgotten
+    requested_at: float
+
+
 class JoinProgress(SQLModel, table=True):
     __tablename__ = "join_progress"
 
@@ -99,7 +123,8 @@ class JoinProgress(SQLModel, table=True):
 
 
 TABLES = [SQLModel.metadata.tables[name] for name in (
-    "join_session", "join_feedback", "join_session_turn", "join_verdict", "join_progress")]
+    "join_session", "join_feedback", "join_session_turn", "join_verdict", "join_session_user",
+    "join_forgotten", "join_progress")]
 
 
 def as_utc(moment: datetime) -> datetime:
@@ -129,12 +154,17 @@ class SessionRow(NamedTuple):
 
 
 def add_sessions(conn: Connection, rows: Sequence[SessionRow],
-                 sessions: Iterable[GenerationLogged]) -> None:
-    """Store new sessions (known ones are skipped) and index those of agent sessions."""
+                 sessions: Sequence[GenerationLogged]) -> None:
+    """Store new sessions (known ones are skipped) and index those of agent sessions and
+    those that name a user."""
     insert_rows(conn, "join_session", SessionRow._fields, rows, skip_existing=True)
     insert_rows(conn, "join_session_turn", ("generation_id", "session_id", "created_at"),
                 [(s.generation_id, s.session_id, as_utc(s.created_at).timestamp())
                  for s in sessions if s.session_id is not None], skip_existing=True)
+    insert_rows(conn, "join_session_user",
+                ("generation_id", "user_id", "session_id", "created_at"),
+                [(s.generation_id, s.user_id, s.session_id, as_utc(s.created_at).timestamp())
+                 for s in sessions if s.user_id is not None], skip_existing=True)
 
 
 def stored_sessions(conn: Connection, generation_ids: Collection[str]
@@ -276,6 +306,86 @@ def expire_pending(conn: Connection, table: type[JoinFeedback] | type[JoinVerdic
     for chunk in chunks(event_ids):
         conn.execute(update(table).where(_IS_PENDING, col(table.event_id).in_(IDS))
                      .values(state=EXPIRED, payload=""), {"ids": chunk})
+
+
+# ---- a user's deletion ------------------------------------------------------------------
+class Forgot(NamedTuple):
+    """What `forget_user` deleted, and the keys the user's records have on the topics."""
+
+    generation_ids: list[str]  # keys on `sessions`, and of feedback about one generation
+    session_ids: list[str]  # keys of session verdicts on `feedback`
+    experience_ids: list[str]  # keys on `experiences` of what was made of them
+    sessions: int  # stored sessions deleted
+    feedback: int  # pending feedback deleted
+    verdicts: int  # pending session verdicts deleted
+
+
+def forget_user(conn: Connection, user_id: str, before: float, now: float) -> Forgot:
+    """Delete what the join holds of `user_id`'s generations created up to `before` (unix
+    seconds): the stored sessions and their index rows, the feedback pending for them, the
+    verdicts pending on their agent sessions; and remember the user, so that a session of
+    theirs that arrives later is dropped on arrival (`forgotten_among`). Idempotent."""
+    rows = conn.execute(select(col(JoinSessionUser.generation_id),
+                               col(JoinSessionUser.session_id))
+                        .where(col(JoinSessionUser.user_id) == user_id,
+                               col(JoinSessionUser.created_at) <= before)).tuples().all()
+    generations = sorted({g for g, _ in rows})
+    by_session: dict[str, list[str]] = {}
+    for g, session_id in rows:
+        if session_id is not None:
+            by_session.setdefault(session_id, []).append(g)
+    matched = _in(conn, select(col(JoinFeedback.event_id)).where(
+        col(JoinFeedback.state) == MATCHED, col(JoinFeedback.generation_id).in_(IDS)),
+        generations)
+    expanded = _in(conn, select(col(JoinVerdict.event_id), col(JoinVerdict.session_id)).where(
+        col(JoinVerdict.state) == EXPANDED, col(JoinVerdict.session_id).in_(IDS)), by_session)
+    experiences = [experience_id_for(e) for e, in matched]
+    experiences += [experience_id_for(e, g) for e, s in expanded for g in by_session[s]]
+    sessions = sum(conn.execute(delete(JoinSession).where(
+        col(JoinSession.generation_id).in_(IDS)), {"ids": chunk}).rowcount
+        for chunk in chunks(generations))
+    for table in (JoinSessionTurn, JoinSessionUser):
+        for chunk in chunks(generations):
+            conn.execute(delete(table).where(col(table.generation_id).in_(IDS)), {"ids": chunk})
+    feedback = drop_feedback(conn, generations)
+    verdicts = len(_in(conn, update(JoinVerdict).where(
+        _IS_PENDING, col(JoinVerdict.session_id).in_(IDS))
+        .values(state=DELETED, payload="").returning(col(JoinVerdict.event_id)), by_session))
+    remembered = conn.execute(select(col(JoinForgotten.before)).where(
+        col(JoinForgotten.user_id) == user_id)).scalar()
+    if remembered is None:
+        conn.execute(insert(JoinForgotten).values(user_id=user_id, before=before,
+                                                  requested_at=now))
+    elif before > remembered:
+        conn.execute(update(JoinForgotten).where(col(JoinForgotten.user_id) == user_id)
+                     .values(before=before, requested_at=now))
+    return Forgot(generations, sorted(by_session), experiences, sessions, feedback, verdicts)
+
+
+def drop_feedback(conn: Connection, generation_ids: Collection[str]) -> int:
+    """The feedback pending for `generation_ids`, whose user's data was deleted, marked
+    deleted with its payload; returns how many."""
+    return len(_in(conn, update(JoinFeedback).where(
+        _IS_PENDING, col(JoinFeedback.generation_id).in_(IDS))
+        .values(state=DELETED, payload="").returning(col(JoinFeedback.event_id)),
+        generation_ids))
+
+
+def forgotten_among(conn: Connection, sessions: Iterable[GenerationLogged]) -> set[str]:
+    """The generation ids among `sessions` whose user was deleted after generating them."""
+    users = {s.user_id for s in sessions if s.user_id is not None}
+    if not users:
+        return set()
+    before = dict(_in(conn, select(col(JoinForgotten.user_id), col(JoinForgotten.before))
+                      .where(col(JoinForgotten.user_id).in_(IDS)), users))
+    return {s.generation_id for s in sessions if s.user_id in before
+            and as_utc(s.created_at).timestamp() <= before[s.user_id]}
+
+
+def forgotten_since(conn: Connection, since: float) -> list[tuple[str, float]]:
+    """(user id, before) of the deletions requested after `since`."""
+    return list(conn.execute(select(col(JoinForgotten.user_id), col(JoinForgotten.before))
+                             .where(col(JoinForgotten.requested_at) > since)).tuples())
 
 
 # ---- progress on the experiences topic --------------------------------------------------

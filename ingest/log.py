@@ -49,8 +49,11 @@ def ensure_topics(config: KafkaConfig) -> list[str]:
                              request_timeout_ms=config.request_timeout_ms)
     try:
         existing = set(admin.list_topics())
-        wanted = [NewTopic(name, config.topics.partitions, config.topics.replication_factor)
-                  for name in config.topics.names() if name not in existing]
+        topics = config.topics
+        wanted = [NewTopic(name, topics.partitions, topics.replication_factor,
+                           topic_configs={"cleanup.policy": "compact,delete"}
+                           if name in topics.compacted else {})
+                  for name in topics.names() if name not in existing]
         if wanted:
             try:
                 admin.create_topics(wanted)
@@ -116,13 +119,14 @@ class EventProducer:
         """Queue one event; returns kafka-python's future (`.get()` waits for the ack)."""
         return self.send_raw(topic, key, encode(event))
 
-    def send_raw(self, topic: str, key: str | bytes | None, value: bytes, *,
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes | None, *,
                  partition: int | None = None) -> Any:
-        """Queue one record (partition None: `Crc32Partitioner`'s choice)."""
+        """Queue one record (partition None: `Crc32Partitioner`'s choice; value None: a
+        tombstone, which compaction turns into the removal of the key's records)."""
         key_bytes = key.encode("utf-8") if isinstance(key, str) else key
         return self._producer.send(topic, key=key_bytes, value=value, partition=partition)
 
-    def deliver(self, topic: str, records: Iterable[tuple[str | bytes, bytes]], *,
+    def deliver(self, topic: str, records: Iterable[tuple[str | bytes, bytes | None]], *,
                 timeout_s: float) -> list[Any]:
         """Send (key, value) records and wait until the broker has acknowledged every one;
         returns their RecordMetadata (partition, offset), in order. Raises the broker's error
@@ -238,8 +242,9 @@ def decode_polled(batches: Mapping[TopicPartition, Sequence[Any]],
     """kafka-python's poll result decoded: the records that decode, and those that do not."""
     out: list[Delivered[Any]] = []
     bad: list[Undecodable] = []
-    for tp, records in batches.items():
-        raws = [rec.value or b"" for rec in records]
+    for tp, batch in batches.items():
+        records = [rec for rec in batch if rec.value is not None]  # tombstones carry no event
+        raws = [rec.value for rec in records]
         for rec, raw, event in zip(records, raws, decode_all(types[tp.topic], raws),
                                    strict=True):
             if isinstance(event, EventDecodeError):

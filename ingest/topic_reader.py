@@ -146,7 +146,8 @@ def _from_beginning(config: KafkaConfig, topic: str, **options: Any
 
 def read_raw(config: KafkaConfig, topic: str, *, timeout_s: float = 60.0,
              quiet_ms: int = 500) -> list[tuple[bytes | None, bytes]]:
-    """(key, value) of every record on `topic` from the beginning, without a group.
+    """(key, value) of every record on `topic` from the beginning, without a group; a
+    tombstone (a deleted user's key, `ingest.deletions`) has the value b"".
 
     Reads to the end offsets the broker reports, then on until a poll of `quiet_ms` brings
     nothing: Tansu's reported end can trail the last records of a compressed batch.
@@ -200,4 +201,4 @@ def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
              timeout_s: float = 60.0) -> list[E]:
     """Every record on `topic`, decoded as `event_type` (tests, the demo, operators)."""
     return [decode(event_type, value) for _, value in read_raw(config, topic,
-                                                               timeout_s=timeout_s)]
+                                                               timeout_s=timeout_s) if value]

@@ -20,7 +20,7 @@ from app.api.errors import error_responses, install_error_handlers
 from app.api.guard import RequestGuard
 from app.api.metrics import Metrics
 from app.api.replicas import ReplicaBeacon, replica_id
-from app.api.routes import admin, completions, console, feedback, health, keys, models
+from app.api.routes import admin, completions, console, deletions, feedback, health, keys, models
 from app.api.routes import metrics as metrics_route
 from app.api.routes import releases as releases_route
 from app.api.routes import trainer as trainer_route
@@ -123,6 +123,8 @@ def close_services(services: Services) -> None:
     services.producer.close()
     services.engine.close()
     services.db.dispose()
+    if services.join_db is not None:
+        services.join_db.dispose()
 
 
 def create_app(settings: Settings, *, services: Services | None = None) -> FastAPI:
@@ -150,8 +152,8 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
                 close_services(app.state.services)
 
     app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan)
-    for module in (completions, feedback, models, admin, keys, releases_route, trainer_route,
-                   health, metrics_route, console):
+    for module in (completions, feedback, models, admin, keys, deletions, releases_route,
+                   trainer_route, health, metrics_route, console):
         app.include_router(module.router)
     install_error_handlers(app)
 

@@ -158,3 +158,26 @@ class KeyCreated(KeyInfo):
     """A new key: `key` is the whole key, shown this once (only its hash is kept)."""
 
     key: str
+
+
+class DeletionRequest(BaseModel):
+    """`POST /admin/deletions`: delete one user's data (`ingest.deletions`)."""
+
+    user_id: str = Field(min_length=1, max_length=128)
+    reason: str = Field(default="", max_length=2000)
+
+
+class DeletionInfo(BaseModel):
+    """A deletion as recorded: every generation of `user_id` up to `requested_at` is
+    forgotten; the counts are what the join still held of them."""
+
+    id: int
+    user_id: str
+    requested_at: datetime
+    requested_by: str
+    reason: str
+    completed_at: datetime | None
+    sessions: int = Field(description="stored sessions the join deleted")
+    feedback: int = Field(description="feedback pending for them, deleted")
+    verdicts: int = Field(description="session verdicts pending on their agent sessions")
+    tombstones: int = Field(description="tombstones written to compacted topics")

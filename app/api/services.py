@@ -13,9 +13,11 @@ from app.api.api_keys import KeyCheck
 from app.api.feedback_intake import FeedbackIntake
 from app.api.metrics import Metrics
 from app.settings import Settings
+from ingest import join_store
 from ingest.config import KafkaConfig
 from ingest.log import EventProducer
 from ingest.session_log import SessionLog
+from ingest.sql import open_database
 from serving.engine import Engine
 from serving.live_load import LiveLoad
 
@@ -48,12 +50,20 @@ class Services:
     scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
     admin: SecretStr | None = None  # see admin_token()
     keys: KeyCheck | None = None  # see key_check()
+    join_db: DbEngine | None = None  # see join_database()
 
     def key_check(self) -> KeyCheck:
         """The inference keys' check (app/api/api_keys.py), made on first use."""
         if self.keys is None:
             self.keys = KeyCheck(self.db)
         return self.keys
+
+    def join_database(self) -> DbEngine:
+        """The join's SQL state (a user's deletion reaches into it), opened on first use."""
+        if self.join_db is None:
+            self.join_db = open_database(self.settings.resolved_join_database_url,
+                                         join_store.TABLES)
+        return self.join_db
 
     def admin_token(self) -> SecretStr:
         """The admin routes' bearer token (`Settings.admin_secret`), read once."""

@@ -8,6 +8,7 @@
     flywheel bootstrap [--nproc N] [--kafka K]  mid-training + GRPO on verifiable tasks, JSON
     flywheel rollout-worker --kafka K --store U  one more rollout worker for a bootstrap's fleet
     flywheel keys create --user U [--rps R]     an inference key for /v1 (list, revoke KEY_ID)
+    flywheel users delete USER [--reason R]     delete one user's untrained data (users deletions)
 
 Settings come from FLYWHEEL_* variables; the flags here override them.
 """
@@ -100,6 +101,52 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 print(f"flywheel keys revoke: no key {args.key_id}", file=sys.stderr)
                 return 1
             print(f"revoked {revoked.key_id} (user {revoked.user_id})")
+    finally:
+        db.dispose()
+    return 0
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    """`flywheel users`: on the app's database (FLYWHEEL_DATABASE_URL) and the join's
+    (FLYWHEEL_JOIN__DATABASE_URL); tombstones through FLYWHEEL_KAFKA_BOOTSTRAP (or --kafka)
+    where topics are compacted."""
+    from app.api.schemas import DeletionInfo, DeletionRequest
+    from app.db import make_db_engine
+    from ingest import join_store
+    from ingest.deletions import delete_user, list_deletions
+    from ingest.sql import open_database
+
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = make_db_engine(settings.resolved_database_url)
+    try:
+        if args.action == "deletions":
+            for row in list_deletions(db):
+                done = f"{row.completed_at:%Y-%m-%d %H:%M:%S}" if row.completed_at \
+                    else "not completed (run it again)"
+                print(f"{row.id}  user={row.user_id}  asked {row.requested_at:%Y-%m-%d %H:%M:%S}"
+                      f"  done {done}  sessions={row.sessions} feedback={row.feedback} "
+                      f"verdicts={row.verdicts} tombstones={row.tombstones}  {row.reason}")
+            return 0
+        try:  # the admin API's rules for a deletion
+            asked = DeletionRequest(user_id=args.user, reason=args.reason)
+        except ValidationError as error:
+            print(f"flywheel users delete: {error}", file=sys.stderr)
+            return 2
+        bootstrap = args.kafka or settings.kafka_bootstrap
+        if settings.topics.compacted and bootstrap is None:
+            print("flywheel users delete: topics are compacted "
+                  f"({', '.join(settings.topics.compacted)}): give --kafka or "
+                  "FLYWHEEL_KAFKA_BOOTSTRAP for their tombstones", file=sys.stderr)
+            return 2
+        join_db = open_database(settings.resolved_join_database_url, join_store.TABLES)
+        try:
+            record = delete_user(db, join_db, asked.user_id, requested_by="cli",
+                                 reason=asked.reason,
+                                 kafka=settings.kafka_config(bootstrap) if bootstrap else None)
+        finally:
+            join_db.dispose()
+        print(DeletionInfo.model_validate(record, from_attributes=True).model_dump_json())
     finally:
         db.dispose()
     return 0
@@ -324,6 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = with_common(keys.add_parser("revoke", help="refused within a second"))
     revoke.add_argument("key_id")
     p.set_defaults(func=cmd_keys)
+    p = with_common(sub.add_parser("users", help="delete a user's data not yet trained"))
+    users = p.add_subparsers(dest="action", required=True)
+    delete = with_common(users.add_parser(
+        "delete", help="forget every generation of USER up to now (join state, experiences "
+        "not yet trained; tombstones on compacted topics)"))
+    delete.add_argument("user", help="the user id their generations logged")
+    delete.add_argument("--reason", default="", help="kept with the record")
+    delete.add_argument("--kafka", metavar="SERVERS",
+                        help="for tombstones (default: FLYWHEEL_KAFKA_BOOTSTRAP)")
+    with_common(users.add_parser("deletions", help="the deletions made, newest first"))
+    p.set_defaults(func=cmd_users)
     p = with_common(sub.add_parser("demo", help="run the loop end to end and print JSON"))
     p.add_argument("--completions", type=int, default=4, help="with --smoke")
     p.add_argument("--smoke", action="store_true",

@@ -37,16 +37,18 @@ def train_online_rank(settings_json: str, release: bool) -> int:
     settings = Settings.model_validate_json(settings_json)
     world = join_world(timeout_s=settings.online.collective_timeout_s)
     stop = stop_on_signals()
-    control, sink = None, None
+    control, sink, forgotten = None, None, None
     if world.leader:
+        from ingest.deletions import Forgotten, open_deletions_db
         from trainer.online.control import SqlTrainerControl, open_control_db
         from trainer.release.pipeline import PipelineReleaseSink
 
         control = SqlTrainerControl(open_control_db(settings.resolved_database_url))
+        forgotten = Forgotten(open_deletions_db(settings.resolved_database_url))
         sink = PipelineReleaseSink(settings.release_config()) if release else None
     try:
         report = run_online(settings, world=world, release_sink=sink, control=control,
-                            stop=stop)
+                            stop=stop, forgotten=forgotten)
     finally:
         leave_world(world)
     if world.leader:

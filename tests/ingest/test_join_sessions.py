@@ -27,7 +27,7 @@ from ingest.join_sessions import Turn, covered_turns, turn_plan
 from ingest.log import EventProducer
 from ingest.topic_reader import read_all
 from tests.ingest.conftest import Clock
-from tests.ingest.helpers import run_until
+from tests.ingest.helpers import produce, run_until
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -66,16 +66,6 @@ def test_turn_rewards_are_discounted_back_from_the_outcome() -> None:
     plan = turn_plan(verdict("s"), [turn("g2", "s", 2), turn("g1", "s", 1)], -1.0, 0.5)
     assert [(g.generation_id, t, r) for g, t, r in plan] == [
         ("g1", Turn(0, 2), -0.5), ("g2", Turn(1, 2), -1.0)]
-
-
-def produce(producer: EventProducer, kafka: KafkaConfig, *events: object) -> None:
-    for event in events:
-        if isinstance(event, GenerationLogged):
-            producer.send(kafka.topics.sessions, event.generation_id, event)
-        else:
-            assert isinstance(event, FeedbackReceived)
-            producer.send(kafka.topics.feedback, event.key, event)
-    producer.flush()
 
 
 def experiences(kafka: KafkaConfig) -> list[ExperienceReady]:

@@ -2,7 +2,8 @@
 
 `ExperienceSource` is the `EventConsumer` on `experiences`, assigned every partition by hand
 and seeking to the offsets of the latest checkpoint; `take_batch` cuts a prefix of the polled
-records (so resuming after a batch is one offset per partition) and skips what the ledger has;
+records (so resuming after a batch is one offset per partition) and skips what the ledger has
+and what a deleted user generated (`ingest.deletions.Forgotten`, read before each batch);
 `OnlineLoop` applies control commands (pause, resume, release), steps the trainer, checkpoints,
 commits Kafka offsets once the checkpoint is durable, and hands weights to the release
 pipeline every `release_every_steps` trainer steps, or every `release_interval_s`.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ingest.config import KafkaConfig
+from ingest.deletions import Forgotten
 from ingest.events import ExperienceReady
 from ingest.log import Delivered, EventProducer, ensure_topics
 from ingest.topic_reader import Offsets, TopicReader, offset_key
@@ -49,23 +51,28 @@ def experience_source(config: KafkaConfig, *, group_id: str, dlq: EventProducer 
 class Batch:
     experiences: list[ExperienceReady]
     offsets: Offsets  # where to resume after this batch
-    skipped: int
+    skipped: int  # already trained (in the ledger, or twice in the batch)
+    forgotten: int = 0  # of users deleted after generating them
 
 
 def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
-               max_batch: int) -> Batch | None:
+               max_batch: int, forgotten: Callable[[ExperienceReady], bool] | None = None
+               ) -> Batch | None:
     """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
     None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
+    Experiences `forgotten` says are a deleted user's are passed over, never trained.
 
     Taking a prefix keeps each partition's records in offset order, so "resume after this
     batch" is one offset per partition: the last taken + 1.
     """
     fresh: set[str] = set()
     taken: list[ExperienceReady] = []
-    cut = 0
+    dropped = cut = 0
     for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
         exp: ExperienceReady = record.event
-        if not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
+        if forgotten is not None and forgotten(exp):
+            dropped += 1
+        elif not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
             fresh.add(exp.experience_id)
             taken.append(exp)
             if len(taken) == max_batch:
@@ -76,7 +83,7 @@ def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
     for record in pending[:cut]:
         offsets[offset_key(record.topic, record.partition)] = record.offset + 1
     del pending[:cut]
-    return Batch(taken, offsets, cut - len(taken))
+    return Batch(taken, offsets, cut - len(taken) - dropped, dropped)
 
 
 # ---- the loop -----------------------------------------------------------------------------
@@ -86,6 +93,7 @@ class OnlineReport:
     consumed: int
     skipped: int
     releases: list[dict[str, Any]]
+    forgotten: int = 0
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -112,14 +120,16 @@ class OnlineLoop:
                  release_sink: ReleaseSink | None = None,
                  control: TrainerControl | None = None,
                  on_step: Callable[[dict[str, float]], None] | None = None,
-                 trackers: Trackers | None = None) -> None:
+                 trackers: Trackers | None = None, forgotten: Forgotten | None = None
+                 ) -> None:
         self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
         self.trackers = trackers
         self.candidate_dir, self.latest_candidate = candidate_dir, latest_candidate
         self.release_sink, self.control, self.on_step = release_sink, control, on_step
+        self.forgotten = forgotten
         self.pending: list[Delivered[Any]] = []
         self.paused = False
-        self.skipped = 0
+        self.skipped = self.dropped = 0
         self.releases: list[dict[str, Any]] = []
         self._next_control = 0.0
         self._checkpointed_step = trainer.state.step
@@ -133,8 +143,10 @@ class OnlineLoop:
                 stop.wait(self.cfg.control_every_s)
                 continue
             self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
+            if self.forgotten is not None and len(self.pending) >= self.cfg.min_batch:
+                self.forgotten.refresh()  # a deletion holds from the next batch on
             batch = take_batch(self.pending, self.trainer.ledger, min_batch=self.cfg.min_batch,
-                               max_batch=self.cfg.max_batch)
+                               max_batch=self.cfg.max_batch, forgotten=self.forgotten)
             if batch is not None:
                 self._train(batch)
             else:
@@ -145,7 +157,7 @@ class OnlineLoop:
             self._checkpoint()
         self._publish_status()
         return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
-                            self.releases)
+                            self.releases, self.dropped)
 
     def _release_due(self) -> bool:
         """Every `release_every_steps` trainer steps where set: each release holds the same
@@ -163,8 +175,11 @@ class OnlineLoop:
             and published >= self.cfg.stop_after_releases)
 
     def _train(self, batch: Batch) -> None:
-        metrics = self.trainer.step(batch.experiences)
         self.skipped += batch.skipped
+        self.dropped += batch.forgotten
+        if batch.forgotten:
+            log.info("passed over %d experiences of deleted users", batch.forgotten)
+        metrics = self.trainer.step(batch.experiences)
         self.trainer.state.offsets.update(batch.offsets)
         if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
             self._checkpoint()
@@ -286,8 +301,10 @@ class OnlineProcessSettings(Protocol):
 def run_online(settings: OnlineProcessSettings, *, world: World | None = None,
                release_sink: ReleaseSink | None = None, control: TrainerControl | None = None,
                stop: threading.Event | None = None,
-               on_step: Callable[[dict[str, float]], None] | None = None) -> OnlineReport:
-    """The `flywheel train-online` process: restore, consume, train, checkpoint, release.
+               on_step: Callable[[dict[str, float]], None] | None = None,
+               forgotten: Forgotten | None = None) -> OnlineReport:
+    """The `flywheel train-online` process: restore, consume, train, checkpoint, release,
+    never training what `forgotten` (the users' deletions) passes over.
     On a rank other than the leader of `world`: restore, then follow the leader's phases."""
     cfg = settings.online
     if settings.kafka_bootstrap is None:
@@ -309,7 +326,7 @@ def run_online(settings: OnlineProcessSettings, *, world: World | None = None,
         loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
                           latest_candidate=settings.resolved_candidate_path,
                           release_sink=release_sink, control=control, on_step=on_step,
-                          trackers=trackers)
+                          trackers=trackers, forgotten=forgotten)
         return loop.run(stop)
     finally:
         trackers.close()

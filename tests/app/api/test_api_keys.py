@@ -1,13 +1,17 @@
-"""Inference keys and privacy mode on a running stack (keys required, as the production profile
-has them): who may call /v1, as which user, how often, whose generations are logged; and the
-admin API and CLI that manage keys."""
+"""Inference keys, privacy mode and deletion on a running stack (keys required, as the
+production profile has them): who may call /v1, as which user, how often, whose generations are
+logged, whose data the trainer may use; and the admin API and CLI that manage keys and
+deletions."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +24,15 @@ from app.api.api_keys import RECHECK_S
 from app.cli.stack import RunningStack, running_stack
 from app.db import make_db_engine
 from ingest.broker import EmbeddedBroker
+from ingest.config import JoinSettings
+from ingest.deletions import Forgotten, open_deletions_db
+from ingest.join import Join
+from ingest.log import ensure_topics
 from tests.app.api.helpers import admin_client, wait_for_sessions
 from tests.conftest import stack_settings
+from tests.ingest.helpers import run_until
+from trainer.online.loop import OnlineLoop, experience_source
+from trainer.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +134,7 @@ def test_keys_are_listed_without_secrets_and_stored_as_hashes(
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "rps"
 
 
-def private_chat(stack: RunningStack, key: str, **headers: str) -> httpx.Response:
+def chat_as(stack: RunningStack, key: str, **headers: str) -> httpx.Response:
     r = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "def secret_sauce():"}], "max_tokens": 4},
         headers={"Authorization": f"Bearer {key}", **headers})
@@ -134,10 +145,10 @@ def private_chat(stack: RunningStack, key: str, **headers: str) -> httpx.Respons
 def test_a_private_generation_is_served_counted_and_never_logged(
         stack: RunningStack, admin: httpx.Client) -> None:
     key = new_key(admin, "u-frank")
-    asked = private_chat(stack, key, **{"X-Flywheel-Privacy": "on"})
-    forced = private_chat(stack, new_key(admin, "u-grace", private=True),
+    asked = chat_as(stack, key, **{"X-Flywheel-Privacy": "on"})
+    forced = chat_as(stack, new_key(admin, "u-grace", private=True),
                           **{"X-Flywheel-Privacy": "off"})  # a private key cannot be undone
-    public = private_chat(stack, key)
+    public = chat_as(stack, key)
     private_ids = {asked.json()["id"], forced.json()["id"]}
     assert all(i.startswith("genp-") for i in private_ids)
     assert asked.json()["choices"][0]["message"]["content"] is not None  # served all the same
@@ -159,7 +170,7 @@ def test_a_private_generation_is_served_counted_and_never_logged(
 def test_feedback_about_a_private_generation_is_refused_and_counted(
         stack: RunningStack, admin: httpx.Client) -> None:
     key = new_key(admin, "u-heidi")
-    generation = private_chat(stack, key, **{"X-Flywheel-Privacy": "on"}).json()["id"]
+    generation = chat_as(stack, key, **{"X-Flywheel-Privacy": "on"}).json()["id"]
     r = httpx.post(f"{stack.base_url}/v1/feedback", timeout=30, json={
         "event_id": "fb-private", "generation_id": generation, "kind": "accept"})
     assert r.status_code == 422, r.text
@@ -194,3 +205,86 @@ def test_the_cli_makes_lists_and_revokes_keys(tmp_path: Path) -> None:
     assert gone.returncode == 1 and "no key nope" in gone.stderr
     refused = flywheel("create", "--user", "u-cli", "--rps", "0")
     assert refused.returncode == 2 and "rps" in refused.stderr
+
+
+def test_a_deleted_users_untrained_data_never_reaches_the_trainers_ledger(
+        stack: RunningStack, admin: httpx.Client, model_dir: Path) -> None:
+    """Alice and Bob generate and give feedback; the join makes experiences of both; Alice is
+    deleted; the real trainer then trains on Bob's and on what Alice did after, never on what
+    she did before, though it was on `experiences` already."""
+    kafka = stack.kafka.model_copy(update={"topics": stack.kafka.topics.model_copy(
+        update={"experiences": f"experiences-{uuid.uuid4().hex[:8]}"})})
+    ensure_topics(kafka)
+    alice, bob = new_key(admin, "u-deleted"), new_key(admin, "u-kept")
+    before, untouched, kept = chat_as(stack, alice), chat_as(stack, alice), \
+        chat_as(stack, bob)
+    ids = [r.json()["id"] for r in (before, untouched, kept)]
+
+    def accept(generation_id: str) -> None:
+        r = httpx.post(f"{stack.base_url}/v1/feedback", timeout=30, json={
+            "event_id": f"fb-{generation_id}", "generation_id": generation_id,
+            "kind": "accept"})
+        assert r.status_code in (200, 202), r.text
+
+    accept(ids[0])
+    accept(ids[2])
+    wait_for_sessions(kafka, set(ids))
+    settings = stack.settings
+    join = Join(kafka, JoinSettings(group_id=f"join-{uuid.uuid4().hex[:8]}", poll_timeout_ms=100),
+                database_url=settings.resolved_join_database_url)
+    try:
+        run_until(join, lambda: join.stats.experiences == 2)  # on the topic, not trained yet
+        r = admin.post("/admin/deletions", json={"user_id": "u-deleted", "reason": "test"})
+        assert r.status_code == 201, r.text
+        assert (r.json()["sessions"], r.json()["requested_by"]) == (2, "admin")
+        assert r.json()["completed_at"] is not None
+        accept(ids[1])  # about a deleted generation: never joined
+        after = chat_as(stack, alice).json()["id"]  # she goes on: new data
+        accept(after)
+        wait_for_sessions(kafka, {after})
+        run_until(join, lambda: join.stats.experiences == 3)
+    finally:
+        join.close()
+    assert [d["user_id"] for d in admin.get("/admin/deletions").json()][:1] == ["u-deleted"]
+    assert httpx.get(f"{stack.base_url}/admin/deletions", timeout=30).status_code == 401
+
+    cfg = settings.online.model_copy(update={"min_batch": 1, "max_batch": 4,
+                                             "deterministic": True, "stop_after": 2})
+    root = settings.data_dir / "deletion-trainer"
+    trainer = OnlineTrainer.restore(cfg, model_dir, root)
+    source = experience_source(kafka, group_id=f"t-{uuid.uuid4().hex[:8]}", dlq=None)
+    deletions = open_deletions_db(settings.resolved_database_url)
+    stop = threading.Event()
+    timer = threading.Timer(180, stop.set)
+    timer.start()
+    try:
+        loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                          forgotten=Forgotten(deletions))
+        report = loop.run(stop)
+    finally:
+        timer.cancel()
+        source.close()
+        trainer.close()
+        deletions.dispose()
+    trained = {g for entry in trainer.ledger.between(0, trainer.state.step)
+               for g in entry.generation_ids}
+    assert trained == {ids[2], after}, report
+    assert report.forgotten == 1
+
+
+def test_the_cli_deletes_a_user_and_lists_deletions(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+
+    def flywheel(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "app.cli", "users", *argv, "--data-dir",
+                               str(tmp_path)], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    done = flywheel("delete", "u-cli", "--reason", "asked by mail")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert (record["user_id"], record["requested_by"], record["sessions"]) == ("u-cli", "cli", 0)
+    listed = flywheel("deletions")
+    assert f"{record['id']}  user=u-cli" in listed.stdout and "asked by mail" in listed.stdout
+    refused = flywheel("delete", "")
+    assert refused.returncode == 2 and "user_id" in refused.stderr
