@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,7 +59,7 @@ def compacted(kafka: KafkaConfig) -> KafkaConfig:
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_a_deleted_users_untrained_data_is_forgotten(
-        compacted: KafkaConfig, database_url: str, tmp_path: Path, clock: Clock) -> None:
+        compacted: KafkaConfig, database_url: str, clock: Clock) -> None:
     kafka = compacted
     producer = EventProducer(kafka)
     joined, waiting, kept = session("g-a1", "alice"), session("g-a2", "alice", seed=1), \
@@ -75,7 +74,7 @@ def test_a_deleted_users_untrained_data_is_forgotten(
                 database_url=database_url, clock=clock)
     run_until(join, lambda: join.stats.experiences == 2 and join.stats.verdicts == 1)
 
-    app_db = open_deletions_db(f"sqlite:///{tmp_path / 'app.db'}")
+    app_db = open_deletions_db(database_url)  # the app's tables beside the join's
     forgotten = Forgotten(app_db)
     forgotten.refresh()
     made = {x.generation_id: x for x in read_all(kafka, kafka.topics.experiences,
