@@ -6,7 +6,7 @@ generation the user made up to the moment of the request:
 1. it records the deletion (`user_deletion`, in the app's database, which the online trainer
    also reads): from then on the trainer skips the user's experiences generated up to that
    moment, even those already on `experiences` (`Forgotten`), so they never reach its ledger;
-2. it deletes what the join holds of them (`ingest.join_store.forget_user`): stored sessions,
+2. it deletes what the join holds of them (`forget_user`): stored sessions,
    the feedback pending for them, the verdicts pending on their agent sessions; and the join
    drops a session of theirs that arrives later but was generated before (a lagging log);
 3. it writes tombstones for the user's keys (sessions and feedback by generation id, verdicts
@@ -27,15 +27,30 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
+from typing import NamedTuple
 
-from sqlalchemy import Engine, func
+from sqlalchemy import Connection, Engine, delete, func, insert, update
 from sqlmodel import Field, Session, SQLModel, col, select
 
-from ingest import join_store
 from ingest.config import KafkaConfig
-from ingest.events import ExperienceReady, utcnow
+from ingest.events import ExperienceReady, experience_id_for, utcnow
+from ingest.join_store import (
+    DELETED,
+    EXPANDED,
+    IS_PENDING,
+    MATCHED,
+    JoinFeedback,
+    JoinForgotten,
+    JoinSession,
+    JoinSessionTurn,
+    JoinSessionUser,
+    JoinVerdict,
+    as_utc,
+    drop_feedback,
+    rows_in,
+)
 from ingest.log import EventProducer
-from ingest.sql import open_database
+from ingest.sql import IDS, chunks, open_database
 
 
 class UserDeletion(SQLModel, table=True):
@@ -67,7 +82,7 @@ def delete_user(db: Engine, join_db: Engine, user_id: str, *, requested_by: str 
         session.refresh(record)
     before = _unix(record.requested_at)
     with join_db.begin() as conn:
-        forgot = join_store.forget_user(conn, user_id, before, time.time())
+        forgot = forget_user(conn, user_id, before, time.time())
     tombstones = _tombstone(kafka, forgot) if kafka is not None else 0
     with Session(db) as session:
         record.sqlmodel_update({"sessions": forgot.sessions, "feedback": forgot.feedback,
@@ -79,7 +94,60 @@ def delete_user(db: Engine, join_db: Engine, user_id: str, *, requested_by: str 
     return record
 
 
-def _tombstone(kafka: KafkaConfig, forgot: join_store.Forgot) -> int:
+class Forgot(NamedTuple):
+    """What `forget_user` deleted, and the keys the user's records have on the topics."""
+
+    generation_ids: list[str]  # keys on `sessions`, and of feedback about one generation
+    session_ids: list[str]  # keys of session verdicts on `feedback`
+    experience_ids: list[str]  # keys on `experiences` of what was made of them
+    sessions: int  # stored sessions deleted
+    feedback: int  # pending feedback deleted
+    verdicts: int  # pending session verdicts deleted
+
+
+def forget_user(conn: Connection, user_id: str, before: float, now: float) -> Forgot:
+    """Delete what the join holds of `user_id`'s generations created up to `before` (unix
+    seconds): the stored sessions and their index rows, the feedback pending for them, the
+    verdicts pending on their agent sessions; and remember the user, so that a session of
+    theirs that arrives later is dropped on arrival (`forgotten_among`). Idempotent."""
+    rows = conn.execute(select(col(JoinSessionUser.generation_id),
+                               col(JoinSessionUser.session_id))
+                        .where(col(JoinSessionUser.user_id) == user_id,
+                               col(JoinSessionUser.created_at) <= before)).tuples().all()
+    generations = sorted({g for g, _ in rows})
+    by_session: dict[str, list[str]] = {}
+    for g, session_id in rows:
+        if session_id is not None:
+            by_session.setdefault(session_id, []).append(g)
+    matched = rows_in(conn, select(col(JoinFeedback.event_id)).where(
+        col(JoinFeedback.state) == MATCHED, col(JoinFeedback.generation_id).in_(IDS)),
+        generations)
+    expanded = rows_in(conn, select(col(JoinVerdict.event_id), col(JoinVerdict.session_id)).where(
+        col(JoinVerdict.state) == EXPANDED, col(JoinVerdict.session_id).in_(IDS)), by_session)
+    experiences = [experience_id_for(e) for e, in matched]
+    experiences += [experience_id_for(e, g) for e, s in expanded for g in by_session[s]]
+    sessions = sum(conn.execute(delete(JoinSession).where(
+        col(JoinSession.generation_id).in_(IDS)), {"ids": chunk}).rowcount
+        for chunk in chunks(generations))
+    for table in (JoinSessionTurn, JoinSessionUser):
+        for chunk in chunks(generations):
+            conn.execute(delete(table).where(col(table.generation_id).in_(IDS)), {"ids": chunk})
+    feedback = drop_feedback(conn, generations)
+    verdicts = len(rows_in(conn, update(JoinVerdict).where(
+        IS_PENDING, col(JoinVerdict.session_id).in_(IDS))
+        .values(state=DELETED, payload="").returning(col(JoinVerdict.event_id)), by_session))
+    remembered = conn.execute(select(col(JoinForgotten.before)).where(
+        col(JoinForgotten.user_id) == user_id)).scalar()
+    if remembered is None:
+        conn.execute(insert(JoinForgotten).values(user_id=user_id, before=before,
+                                                  requested_at=now))
+    elif before > remembered:
+        conn.execute(update(JoinForgotten).where(col(JoinForgotten.user_id) == user_id)
+                     .values(before=before, requested_at=now))
+    return Forgot(generations, sorted(by_session), experiences, sessions, feedback, verdicts)
+
+
+def _tombstone(kafka: KafkaConfig, forgot: Forgot) -> int:
     """A tombstone for each of the user's keys on each compacted topic; returns how many."""
     topics = kafka.topics
     keys = {topics.sessions: forgot.generation_ids,
@@ -133,4 +201,4 @@ class Forgotten:
 
 
 def _unix(moment: datetime) -> float:
-    return join_store.as_utc(moment).timestamp()
+    return as_utc(moment).timestamp()

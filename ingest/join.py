@@ -47,6 +47,7 @@ from sqlalchemy import Connection
 
 from ingest import join_store as store
 from ingest.config import JoinSettings, KafkaConfig
+from ingest.deletions import forget_user
 from ingest.events import DeadLetter, ExperienceReady, FeedbackReceived, GenerationLogged, encode
 from ingest.feedback_rewards import reward_for
 from ingest.join_sessions import turn_plan
@@ -229,7 +230,7 @@ class Join:
         with self.db.begin() as conn:
             for user_id, before in store.forgotten_since(
                     conn, now - self.settings.expire_after_s):
-                store.forget_user(conn, user_id, before, now)
+                forget_user(conn, user_id, before, now)
 
     def rematch(self) -> None:
         """Match pending feedback whose session is stored after all. Sessions and feedback are

@@ -38,13 +38,13 @@ from pydantic import BaseModel
 from sqlalchemy import Connection, Index, Text, delete, insert, select, text, update
 from sqlmodel import Column, Field, SQLModel, col
 
-from ingest.events import FeedbackReceived, GenerationLogged, experience_id_for
+from ingest.events import FeedbackReceived, GenerationLogged
 from ingest.log import list_adapter
 from ingest.sql import IDS, chunks, existing_ids, insert_rows
 
 PENDING, MATCHED, EXPANDED, EXPIRED = "pending", "matched", "expanded", "expired"
 DELETED = "deleted"  # its user's data was deleted before it could be matched
-_IS_PENDING = text("state = 'pending'")
+IS_PENDING = text("state = 'pending'")
 E = TypeVar("E", bound=BaseModel)
 
 
@@ -61,9 +61,9 @@ class JoinFeedback(SQLModel, table=True):
     __tablename__ = "join_feedback"
     __table_args__ = (
         Index("ix_join_feedback_pending_generation", "generation_id",
-              sqlite_where=_IS_PENDING, postgresql_where=_IS_PENDING),
+              sqlite_where=IS_PENDING, postgresql_where=IS_PENDING),
         Index("ix_join_feedback_pending_since", "first_seen",
-              sqlite_where=_IS_PENDING, postgresql_where=_IS_PENDING),
+              sqlite_where=IS_PENDING, postgresql_where=IS_PENDING),
     )
 
     event_id: str = Field(primary_key=True, max_length=128)
@@ -86,7 +86,7 @@ class JoinVerdict(SQLModel, table=True):
     __tablename__ = "join_verdict"
     __table_args__ = (
         Index("ix_join_verdict_pending_since", "first_seen",
-              sqlite_where=_IS_PENDING, postgresql_where=_IS_PENDING),
+              sqlite_where=IS_PENDING, postgresql_where=IS_PENDING),
     )
 
     event_id: str = Field(primary_key=True, max_length=128)
@@ -140,7 +140,7 @@ def decoded(event_type: type[E], payloads: Sequence[str]) -> list[E]:
     return list_adapter(event_type).validate_json("[" + ",".join(payloads) + "]")
 
 
-def _in(conn: Connection, statement: Any, ids: Iterable[str]) -> list[Any]:
+def rows_in(conn: Connection, statement: Any, ids: Iterable[str]) -> list[Any]:
     """The rows of `statement` (whose WHERE holds `column.in_(IDS)`) over `ids`, chunked."""
     return [row for chunk in chunks(ids) for row in conn.execute(statement, {"ids": chunk})]
 
@@ -170,7 +170,7 @@ def add_sessions(conn: Connection, rows: Sequence[SessionRow],
 def stored_sessions(conn: Connection, generation_ids: Collection[str]
                     ) -> dict[str, GenerationLogged]:
     """The stored sessions among `generation_ids`, decoded."""
-    rows = _in(conn, select(col(JoinSession.payload)).where(
+    rows = rows_in(conn, select(col(JoinSession.payload)).where(
         col(JoinSession.generation_id).in_(IDS)), generation_ids)
     return {s.generation_id: s for s in decoded(GenerationLogged, [p for p, in rows])}
 
@@ -222,8 +222,8 @@ def claim_feedback(conn: Connection, column: Any, ids: Collection[str]
     waiting for these sessions; `JoinFeedback.event_id`: these events) is among `ids`, marking
     it matched; returns what this call moved, decoded (a member that claimed a row first
     keeps it, so each experience is made once)."""
-    return decoded(FeedbackReceived, [p for p, in _in(conn, update(JoinFeedback).where(
-        _IS_PENDING, col(column).in_(IDS))
+    return decoded(FeedbackReceived, [p for p, in rows_in(conn, update(JoinFeedback).where(
+        IS_PENDING, col(column).in_(IDS))
         .values(state=MATCHED).returning(col(JoinFeedback.payload)), ids)])
 
 
@@ -236,7 +236,7 @@ def pending_with_sessions(conn: Connection, keep: Callable[[str], bool]
         select(col(JoinFeedback.event_id), col(JoinFeedback.generation_id),
                col(JoinSession.payload)).join(
             JoinSession, col(JoinSession.generation_id) == col(JoinFeedback.generation_id))
-        .where(_IS_PENDING)) if keep(g)]
+        .where(IS_PENDING)) if keep(g)]
     return list(zip([e for e, _ in rows], decoded(GenerationLogged, [s for _, s in rows]),
                     strict=True))
 
@@ -265,7 +265,7 @@ def pending_verdicts(conn: Connection, sources: Collection[int]) -> list[Pending
     """The pending verdicts of input partitions `sources`, oldest first."""
     rows = conn.execute(
         select(col(JoinVerdict.payload), col(JoinVerdict.source), col(JoinVerdict.first_seen))
-        .where(_IS_PENDING, col(JoinVerdict.source).in_(sorted(sources)))
+        .where(IS_PENDING, col(JoinVerdict.source).in_(sorted(sources)))
         .order_by(col(JoinVerdict.first_seen))).tuples().all()
     verdicts = decoded(FeedbackReceived, [payload for payload, _, _ in rows])
     return [PendingVerdict(v, source, first_seen)
@@ -275,7 +275,7 @@ def pending_verdicts(conn: Connection, sources: Collection[int]) -> list[Pending
 def session_generations(conn: Connection, session_ids: Collection[str]) -> dict[str, list[str]]:
     """The generation ids indexed for each of `session_ids` (those with none are absent)."""
     found: dict[str, list[str]] = {}
-    for session_id, generation_id in _in(conn, select(
+    for session_id, generation_id in rows_in(conn, select(
             col(JoinSessionTurn.session_id), col(JoinSessionTurn.generation_id))
             .where(col(JoinSessionTurn.session_id).in_(IDS)), session_ids):
         found.setdefault(session_id, []).append(generation_id)
@@ -284,8 +284,8 @@ def session_generations(conn: Connection, session_ids: Collection[str]) -> dict[
 
 def claim_verdicts(conn: Connection, event_ids: Collection[str]) -> set[str]:
     """Mark pending verdicts `event_ids` expanded; returns those this call moved."""
-    return {e for e, in _in(conn, update(JoinVerdict).where(
-        _IS_PENDING, col(JoinVerdict.event_id).in_(IDS))
+    return {e for e, in rows_in(conn, update(JoinVerdict).where(
+        IS_PENDING, col(JoinVerdict.event_id).in_(IDS))
         .values(state=EXPANDED, payload="").returning(col(JoinVerdict.event_id)), event_ids)}
 
 
@@ -296,7 +296,7 @@ def stale_pending(conn: Connection, table: type[JoinFeedback] | type[JoinVerdict
     pending since before `cutoff`."""
     key = JoinFeedback.generation_id if table is JoinFeedback else JoinVerdict.session_id
     return list(conn.execute(select(col(table.event_id), col(key), col(table.payload))
-                             .where(_IS_PENDING, col(table.first_seen) < cutoff)).tuples())
+                             .where(IS_PENDING, col(table.first_seen) < cutoff)).tuples())
 
 
 def expire_pending(conn: Connection, table: type[JoinFeedback] | type[JoinVerdict],
@@ -304,69 +304,16 @@ def expire_pending(conn: Connection, table: type[JoinFeedback] | type[JoinVerdic
     """Pending rows `event_ids` of `table` timed out (their dead letters are sent); one a
     member claimed meanwhile keeps its state."""
     for chunk in chunks(event_ids):
-        conn.execute(update(table).where(_IS_PENDING, col(table.event_id).in_(IDS))
+        conn.execute(update(table).where(IS_PENDING, col(table.event_id).in_(IDS))
                      .values(state=EXPIRED, payload=""), {"ids": chunk})
 
 
 # ---- a user's deletion ------------------------------------------------------------------
-class Forgot(NamedTuple):
-    """What `forget_user` deleted, and the keys the user's records have on the topics."""
-
-    generation_ids: list[str]  # keys on `sessions`, and of feedback about one generation
-    session_ids: list[str]  # keys of session verdicts on `feedback`
-    experience_ids: list[str]  # keys on `experiences` of what was made of them
-    sessions: int  # stored sessions deleted
-    feedback: int  # pending feedback deleted
-    verdicts: int  # pending session verdicts deleted
-
-
-def forget_user(conn: Connection, user_id: str, before: float, now: float) -> Forgot:
-    """Delete what the join holds of `user_id`'s generations created up to `before` (unix
-    seconds): the stored sessions and their index rows, the feedback pending for them, the
-    verdicts pending on their agent sessions; and remember the user, so that a session of
-    theirs that arrives later is dropped on arrival (`forgotten_among`). Idempotent."""
-    rows = conn.execute(select(col(JoinSessionUser.generation_id),
-                               col(JoinSessionUser.session_id))
-                        .where(col(JoinSessionUser.user_id) == user_id,
-                               col(JoinSessionUser.created_at) <= before)).tuples().all()
-    generations = sorted({g for g, _ in rows})
-    by_session: dict[str, list[str]] = {}
-    for g, session_id in rows:
-        if session_id is not None:
-            by_session.setdefault(session_id, []).append(g)
-    matched = _in(conn, select(col(JoinFeedback.event_id)).where(
-        col(JoinFeedback.state) == MATCHED, col(JoinFeedback.generation_id).in_(IDS)),
-        generations)
-    expanded = _in(conn, select(col(JoinVerdict.event_id), col(JoinVerdict.session_id)).where(
-        col(JoinVerdict.state) == EXPANDED, col(JoinVerdict.session_id).in_(IDS)), by_session)
-    experiences = [experience_id_for(e) for e, in matched]
-    experiences += [experience_id_for(e, g) for e, s in expanded for g in by_session[s]]
-    sessions = sum(conn.execute(delete(JoinSession).where(
-        col(JoinSession.generation_id).in_(IDS)), {"ids": chunk}).rowcount
-        for chunk in chunks(generations))
-    for table in (JoinSessionTurn, JoinSessionUser):
-        for chunk in chunks(generations):
-            conn.execute(delete(table).where(col(table.generation_id).in_(IDS)), {"ids": chunk})
-    feedback = drop_feedback(conn, generations)
-    verdicts = len(_in(conn, update(JoinVerdict).where(
-        _IS_PENDING, col(JoinVerdict.session_id).in_(IDS))
-        .values(state=DELETED, payload="").returning(col(JoinVerdict.event_id)), by_session))
-    remembered = conn.execute(select(col(JoinForgotten.before)).where(
-        col(JoinForgotten.user_id) == user_id)).scalar()
-    if remembered is None:
-        conn.execute(insert(JoinForgotten).values(user_id=user_id, before=before,
-                                                  requested_at=now))
-    elif before > remembered:
-        conn.execute(update(JoinForgotten).where(col(JoinForgotten.user_id) == user_id)
-                     .values(before=before, requested_at=now))
-    return Forgot(generations, sorted(by_session), experiences, sessions, feedback, verdicts)
-
-
 def drop_feedback(conn: Connection, generation_ids: Collection[str]) -> int:
     """The feedback pending for `generation_ids`, whose user's data was deleted, marked
     deleted with its payload; returns how many."""
-    return len(_in(conn, update(JoinFeedback).where(
-        _IS_PENDING, col(JoinFeedback.generation_id).in_(IDS))
+    return len(rows_in(conn, update(JoinFeedback).where(
+        IS_PENDING, col(JoinFeedback.generation_id).in_(IDS))
         .values(state=DELETED, payload="").returning(col(JoinFeedback.event_id)),
         generation_ids))
 
@@ -376,7 +323,7 @@ def forgotten_among(conn: Connection, sessions: Iterable[GenerationLogged]) -> s
     users = {s.user_id for s in sessions if s.user_id is not None}
     if not users:
         return set()
-    before = dict(_in(conn, select(col(JoinForgotten.user_id), col(JoinForgotten.before))
+    before = dict(rows_in(conn, select(col(JoinForgotten.user_id), col(JoinForgotten.before))
                       .where(col(JoinForgotten.user_id).in_(IDS)), users))
     return {s.generation_id for s in sessions if s.user_id in before
             and as_utc(s.created_at).timestamp() <= before[s.user_id]}
