@@ -41,12 +41,11 @@ from ingest.join_store import (
     MATCHED,
     JoinFeedback,
     JoinForgotten,
-    JoinSession,
-    JoinSessionTurn,
     JoinSessionUser,
     JoinVerdict,
     as_utc,
     drop_feedback,
+    forget_sessions,
     rows_in,
 )
 from ingest.log import EventProducer
@@ -126,12 +125,10 @@ def forget_user(conn: Connection, user_id: str, before: float, now: float) -> Fo
         col(JoinVerdict.state) == EXPANDED, col(JoinVerdict.session_id).in_(IDS)), by_session)
     experiences = [experience_id_for(e) for e, in matched]
     experiences += [experience_id_for(e, g) for e, s in expanded for g in by_session[s]]
-    sessions = sum(conn.execute(delete(JoinSession).where(
-        col(JoinSession.generation_id).in_(IDS)), {"ids": chunk}).rowcount
-        for chunk in chunks(generations))
-    for table in (JoinSessionTurn, JoinSessionUser):
-        for chunk in chunks(generations):
-            conn.execute(delete(table).where(col(table.generation_id).in_(IDS)), {"ids": chunk})
+    sessions = forget_sessions(conn, generations)
+    for chunk in chunks(generations):  # the user index, which expiry keeps, goes too
+        conn.execute(delete(JoinSessionUser).where(
+            col(JoinSessionUser.generation_id).in_(IDS)), {"ids": chunk})
     feedback = drop_feedback(conn, generations)
     verdicts = len(rows_in(conn, update(JoinVerdict).where(
         IS_PENDING, col(JoinVerdict.session_id).in_(IDS))

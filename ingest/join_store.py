@@ -191,11 +191,16 @@ def stale_sessions(conn: Connection, cutoff: float) -> list[tuple[str, str, bool
         .where(col(JoinSession.first_seen) < cutoff)).tuples())
 
 
-def forget_sessions(conn: Connection, generation_ids: Collection[str]) -> None:
-    """Delete the stored sessions `generation_ids` (expired) and their turn index rows."""
+def forget_sessions(conn: Connection, generation_ids: Collection[str]) -> int:
+    """Delete the stored sessions `generation_ids` (expired, or their user's data deleted) and
+    their turn index rows; returns how many sessions were stored."""
+    deleted = 0
     for chunk in chunks(generation_ids):
-        for table in (JoinSession, JoinSessionTurn):
-            conn.execute(delete(table).where(col(table.generation_id).in_(IDS)), {"ids": chunk})
+        deleted += conn.execute(delete(JoinSession).where(
+            col(JoinSession.generation_id).in_(IDS)), {"ids": chunk}).rowcount
+        conn.execute(delete(JoinSessionTurn).where(
+            col(JoinSessionTurn.generation_id).in_(IDS)), {"ids": chunk})
+    return deleted
 
 
 # ---- feedback about one generation ------------------------------------------------------

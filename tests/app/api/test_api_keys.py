@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -183,14 +183,21 @@ def test_feedback_about_a_private_generation_is_refused_and_counted(
     assert 'flywheel_feedback_rejected_total{reason="private_generation"} 2.0' in metrics
 
 
-def test_the_cli_makes_lists_and_revokes_keys(tmp_path: Path) -> None:
+def cli(command: str, data_dir: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`flywheel COMMAND ARGV… --data-dir D` in a process of its own, with no FLYWHEEL_*
+    setting from this environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
 
     def flywheel(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "app.cli", "keys", *argv, "--data-dir",
-                               str(tmp_path)], env=env, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "app.cli", command, *argv, "--data-dir",
+                               str(data_dir)], env=env, capture_output=True, text=True,
                               timeout=120)
 
+    return flywheel
+
+
+def test_the_cli_makes_lists_and_revokes_keys(tmp_path: Path) -> None:
+    flywheel = cli("keys", tmp_path)
     made = flywheel("create", "--user", "u-cli", "--rps", "2")
     assert made.returncode == 0, made.stderr
     key = made.stdout.split()[0]
@@ -273,13 +280,7 @@ def test_a_deleted_users_untrained_data_never_reaches_the_trainers_ledger(
 
 
 def test_the_cli_deletes_a_user_and_lists_deletions(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-
-    def flywheel(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "app.cli", "users", *argv, "--data-dir",
-                               str(tmp_path)], env=env, capture_output=True, text=True,
-                              timeout=120)
-
+    flywheel = cli("users", tmp_path)
     done = flywheel("delete", "u-cli", "--reason", "asked by mail")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
