@@ -28,7 +28,7 @@ from ingest.config import JoinSettings, KafkaClientSettings, KafkaConfig, TopicS
 from serving.config import EngineSettings
 from simulate.scavenge import ScavengeSettings
 from trainer.bootstrap.config import BootstrapSettings
-from trainer.config import TinyMoeSettings
+from trainer.config import TinyModelSettings
 from trainer.online.config import OnlineTrainerSettings
 from trainer.release.config import ReleaseConfig, ReleaseSettings
 from trainer.trackers import TrackerSettings
@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     # trainer run the batch-invariant ops, so their logprobs agree bit for bit (vLLM: its own
     # VLLM_BATCH_INVARIANT=1 mode). Costs ~1.4x decode time on CPU (bench/numerics.py).
     batch_invariant: bool = False
-    model: TinyMoeSettings = TinyMoeSettings()
+    model: TinyModelSettings = TinyModelSettings()
     bootstrap: BootstrapSettings = BootstrapSettings()
     release: ReleaseSettings = ReleaseSettings()
     join: JoinSettings = JoinSettings()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.midtrain import MidTrainedStart, midtrained_start
-from trainer.config import TinyMoeSettings
+from trainer.config import TinyModelSettings
 
 
-def bench_start(cfg: BootstrapSettings, model: TinyMoeSettings, model_dir: Path | None, *,
+def bench_start(cfg: BootstrapSettings, model: TinyModelSettings, model_dir: Path | None, *,
                 steps: int | None = None) -> MidTrainedStart:
     """The benches' common start: `cfg.torch_threads`, the model in `model_dir` (or one built
     from `model` in a temp dir), then `midtrained_start`."""

@@ -1,7 +1,7 @@
 """The lean decode step's GEMMs: torch's float32 `F.linear` (its BLAS) against the same products
 on oneDNN copies of the weights (`serving.onednn.OneDnnWeights`), in one process.
 
-Shapes are the ~124M serving model's experts (`TinyMoeSettings.large()`: 6 layers x 8 experts,
+Shapes are the ~124M serving model's experts (`TinyModelSettings.large()`: 6 layers x 8 experts,
 gate/up 768 -> 2048, down 1024 -> 768), every expert's pair of matrices once per pass, for
 1 to 256 tokens per expert: a decode step of 32 rows puts ~8 on each, a prefill hundreds. A
 pass touches ~450 MB of weights, more than the caches hold, as a decode step does. Best of

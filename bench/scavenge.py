@@ -87,11 +87,11 @@ def main() -> None:
     parser.add_argument("--rps", type=float, default=4.0)
     args = parser.parse_args()
 
-    from trainer.config import TinyMoeSettings
+    from trainer.config import TinyModelSettings
     from trainer.init_model import init_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-scavenge-"))
-    model_dir = init_model(TinyMoeSettings(), work / "model")
+    model_dir = init_model(TinyModelSettings(), work / "model")
     broker = EmbeddedBroker.start(log_path=work / "broker.log")
     store = work / "policy"
     trainer_env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(model_dir),

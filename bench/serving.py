@@ -355,10 +355,10 @@ def large_rounds(result: dict[str, Any], data_dir: Path, max_tokens: int, *,
     """c=1 and c=32 on the ~124M model: the torch engine (`flywheel up` in its own process),
     HF `generate` one by one, and vLLM's server where installed."""
     from bench.servers import flywheel_up, vllm_server
-    from trainer.config import TinyMoeSettings
+    from trainer.config import TinyModelSettings
     from trainer.init_model import init_model
 
-    model_dir = init_model(TinyMoeSettings.large(), data_dir / "models" / "large")
+    model_dir = init_model(TinyModelSettings.large(), data_dir / "models" / "large")
     counts = {1: 4, 32: 32}
     with flywheel_up(data_dir / "up-large", model_dir) as url:
         rates = measure("flywheel large", url, counts, max_tokens)

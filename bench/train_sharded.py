@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-tokens", type=int, default=64)
     args = parser.parse_args(argv)
 
-    from trainer.config import TinyMoeSettings
+    from trainer.config import TinyModelSettings
     from trainer.distributed import launch
     from trainer.init_model import init_model
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = {k: v for k, v in (("hidden_size", args.hidden),
                                            ("moe_intermediate_size", args.hidden),
                                            ("num_layers", args.layers)) if v is not None}
-            model_dir = init_model(TinyMoeSettings(**overrides), Path(tmp) / "model")
+            model_dir = init_model(TinyModelSettings(**overrides), Path(tmp) / "model")
         experiences = synthetic_experiences(model_dir, args.batch * (args.steps + 1),
                                             prompt=args.prompt_tokens,
                                             completion=args.completion_tokens)

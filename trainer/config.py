@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
 
+# The Hugging Face families `flywheel init-model` builds (trainer/init_model.py): the default
+# Qwen3-MoE, three dense families and two more MoE families, all served, trained and released
+# by the same code (tests/trainer/test_families.py runs every path on each).
+ModelFamily = Literal["qwen3_moe", "qwen3", "llama", "mistral", "olmoe", "mixtral"]
+MOE_FAMILIES: tuple[ModelFamily, ...] = ("qwen3_moe", "olmoe", "mixtral")
 
-class TinyMoeSettings(BaseModel):
-    """The default tiny Qwen3-MoE that `flywheel init-model` builds.
+
+class TinyModelSettings(BaseModel):
+    """The tiny model `flywheel init-model` builds: the default Qwen3-MoE, or the same shape in
+    another family (`family`; a dense family's MLP is as wide as the MoE's active experts).
 
     Any local Hugging Face causal-LM directory can replace it (`FLYWHEEL_MODEL_DIR`).
     """
 
+    family: ModelFamily = "qwen3_moe"
     vocab_size: int = Field(default=2048, ge=512)
     hidden_size: int = Field(default=128, ge=32)
     num_layers: int = Field(default=4, ge=1)
@@ -24,14 +34,14 @@ class TinyMoeSettings(BaseModel):
     seed: int = 0
 
     @classmethod
-    def large(cls) -> TinyMoeSettings:
+    def large(cls) -> TinyModelSettings:
         """The same family at ~124M parameters (~38M active per token), where compute rather
         than per-op overhead sets the speed (`flywheel init-model --large`, bench/serving.py)."""
         return cls(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64,
                    moe_intermediate_size=1024)
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> TinyMoeSettings:
+    def _check_shapes(self) -> TinyModelSettings:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model.num_heads must be a multiple of model.num_kv_heads")
         if self.experts_per_token > self.num_experts:

@@ -1,12 +1,14 @@
-"""Build the default model locally: a tiny Qwen3-MoE and a byte-level BPE tokenizer.
+"""Build the default model locally: a tiny Qwen3-MoE (or the same shape in another Hugging Face
+family, `FLYWHEEL_MODEL__FAMILY`) and a byte-level BPE tokenizer.
 
 Nothing is downloaded. The tokenizer is trained on Python source that ships with the
 interpreter (the standard library) plus a little chat text, with ChatML special tokens, the
-tool-call tags as added tokens and Qwen3-Coder's tool-aware chat template; the model is
-`Qwen3MoeForCausalLM` with random weights (seeded), saved in Hugging Face format so any
-HF-compatible tool (and vLLM) can load it.
+tool-call tags as added tokens and Qwen3-Coder's tool-aware chat template; the model is the
+family's transformers class (`Qwen3MoeForCausalLM` by default) with random weights (seeded),
+saved in Hugging Face format so any HF-compatible tool (and vLLM) can load it.
 
     flywheel init-model --data-dir data      # writes data/models/base
+    flywheel init-model --family llama --out /tmp/llama
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.config import TinyMoeSettings
+from trainer.config import TinyModelSettings
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # The tool-call tags as whole tokens (added, not special: they decode as text), as Qwen's
@@ -156,27 +158,48 @@ def build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
     return fast
 
 
-def build_model(cfg: TinyMoeSettings, tokenizer):  # -> Qwen3MoeForCausalLM
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def model_config(cfg: TinyModelSettings, tokenizer):  # -> transformers.PretrainedConfig
+    """The Hugging Face config of `cfg.family` at `cfg`'s shape. The embeddings are tied where
+    the family's small checkpoints tie them (Qwen3), untied elsewhere, so both kinds are built."""
+    import transformers
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.moe_intermediate_size * cfg.experts_per_token,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
-        num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-        moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None)
-    config.head_dim = cfg.head_dim
+    shape = {"vocab_size": len(tokenizer), "hidden_size": cfg.hidden_size,
+             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+             "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+             "max_position_embeddings": cfg.max_position_embeddings,
+             "tie_word_embeddings": cfg.family in ("qwen3_moe", "qwen3"),
+             "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+             "bos_token_id": None}
+    experts: dict[str, object] = {"num_experts_per_tok": cfg.experts_per_token,
+               "intermediate_size": cfg.moe_intermediate_size}
+    dense: dict[str, object] = {"intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token}
+    family: dict[str, tuple[str, dict[str, object]]] = {
+        "qwen3_moe": ("Qwen3MoeConfig", {
+            **experts, "intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token,
+            "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+        "qwen3": ("Qwen3Config", dense),
+        "llama": ("LlamaConfig", dense),
+        "mistral": ("MistralConfig", {**dense, "sliding_window": None}),
+        "olmoe": ("OlmoeConfig", {**experts, "num_experts": cfg.num_experts}),
+        "mixtral": ("MixtralConfig", {**experts, "num_local_experts": cfg.num_experts}),
+    }
+    name, extra = family[cfg.family]
+    config = getattr(transformers, name)(**shape, **extra)
+    config.head_dim = cfg.head_dim  # set after: not every family's __init__ takes it
+    return config
+
+
+def build_model(cfg: TinyModelSettings, tokenizer):  # -> a transformers causal LM
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(cfg.seed)
-    model = Qwen3MoeForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer))
     return model.float().eval()
 
 
-def init_model(cfg: TinyMoeSettings, out_dir: Path, *, overwrite: bool = False) -> Path:
+def init_model(cfg: TinyModelSettings, out_dir: Path, *, overwrite: bool = False) -> Path:
     """Build tokenizer + model and save both under `out_dir` (HF format). Returns `out_dir`."""
     if (out_dir / "config.json").exists() and not overwrite:
         return out_dir

@@ -1,6 +1,6 @@
 """`flywheel`: one CLI for every part. `--help` answers without importing torch.
 
-    flywheel init-model [--large] [--out DIR]   build the default tiny Qwen3-MoE + tokenizer
+    flywheel init-model [--large] [--family F] [--out DIR]   build the tiny model + tokenizer
     flywheel up [--port P] [--data-dir D]       broker + API; prints READY <url> kafka=<host:port>
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
@@ -19,11 +19,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 
 from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
 from app.settings import ADMIN_TOKEN_FILE, Settings, absolute, absolute_store_url
+from trainer.config import ModelFamily
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -41,11 +43,13 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from trainer.config import TinyMoeSettings
+    from trainer.config import TinyModelSettings
     from trainer.init_model import init_model
 
     settings = _settings(args)
-    shape = TinyMoeSettings.large() if args.large else settings.model
+    shape = TinyModelSettings.large() if args.large else settings.model
+    if args.family:
+        shape = shape.model_copy(update={"family": args.family})
     out = init_model(shape, absolute(args.out) if args.out else settings.resolved_model_dir,
                      overwrite=args.overwrite)
     print(f"model ready in {out}")
@@ -248,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--large", action="store_true",
                    help="the same family at ~124M parameters (a speed check where compute "
                         "matters) instead of FLYWHEEL_MODEL__* (the tiny default)")
+    p.add_argument("--family", choices=get_args(ModelFamily),
+                   help="the Hugging Face family at that shape (default: FLYWHEEL_MODEL__FAMILY, "
+                        "qwen3_moe)")
     p.add_argument("--out", type=Path, help="where to write it (default: the model dir)")
     p.set_defaults(func=cmd_init_model)
     p = with_common(sub.add_parser("up", help="start broker + API on this machine"))

@@ -253,8 +253,17 @@ def _decode(entry: TensorEntry, dtype: torch.dtype, bits: np.ndarray, blob: memo
 
 def commit(live: MutableMapping[str, torch.Tensor], prepared: PreparedDelta, *,
            threads: int = 2) -> VersionRef:
-    """Write verified bit patterns into the live tensors in place; returns the version reached."""
-    items = sorted(prepared.updates.items(), key=lambda kv: -live[kv[0]].numel())
+    """Write verified bit patterns into the live tensors in place; returns the version reached.
+
+    Names that share one storage (a language-model head tied to the embeddings) are written
+    once: an update may add to the bits in place (the nibble codec), and twice is not once."""
+    written: set[tuple[int, int]] = set()
+    items = []
+    for name, update in sorted(prepared.updates.items(), key=lambda kv: -live[kv[0]].numel()):
+        storage = (live[name].data_ptr(), live[name].numel())
+        if storage not in written:
+            written.add(storage)
+            items.append((name, update))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         for done in [pool.submit(update.apply, tensor_bits(live[name])) for name, update in items]:
             done.result()

@@ -219,6 +219,21 @@ def test_commit_writes_in_place_into_a_model() -> None:
     assert torch.equal(model.weight.detach().view(torch.int16), target["weight"].view(torch.int16))
 
 
+def test_a_tied_head_sharing_the_embeddings_storage_is_written_once() -> None:
+    """The nibble codec adds in place: a head tied to the embeddings (one storage, two names
+    in the state dict, as transformers ties them) must get its update once, not twice."""
+    base, target = _model(), _next(_model())
+    base["lm_head.weight"], target["lm_head.weight"] = (base["embed.weight"].clone(),
+                                                        target["embed.weight"].clone())
+    release = encode_delta(base, target, base_version=0, target_version=1)
+    codecs = {t.name: t.codec for t in release.manifest.tensors}
+    assert codecs["embed.weight"] == codecs["lm_head.weight"] == "nibble"
+    live = _copy(base)
+    live["lm_head.weight"] = live["embed.weight"]  # tied: one storage
+    apply_delta(live, release.manifest, release.shards.__getitem__)
+    assert _bits_equal(live, target)
+
+
 def test_snapshot_round_trip() -> None:
     weights = _next(_model())
     release = encode_snapshot(weights, version=10, options=DeltaOptions(shard_bytes=1000))
