@@ -33,7 +33,6 @@ from kernels.bi_ops import bi_bmm, bi_row_sum
 KEY_BLOCK = 64  # keys reduced per GEMM; accumulation across blocks is sequential
 QUERY_TILE = 16  # query rows per GEMM are padded to a multiple of this
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32 result
-_LOWEST = torch.finfo(torch.float32).min
 
 
 def _allowed(
@@ -125,7 +124,7 @@ def bi_attention(
     top = scores[0].detach().amax(-1, keepdim=True)
     for s in scores[1:]:
         top = torch.maximum(top, s.detach().amax(-1, keepdim=True))  # exact in any order
-    top = top.clamp_(min=_LOWEST)  # rows with no key at all: finite, every p below is 0
+    top = top.clamp_(min=torch.finfo(top.dtype).min)  # rows with no key: finite, every p is 0
     total: torch.Tensor | None = None  # (G, rows, 1)
     out: torch.Tensor | None = None  # (G, rows, D)
     for drop, s, v in zip(plan.dropped, scores, values, strict=True):  # blocks in a fixed order

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kernels.weights import state_dict_sha256
+from kernels.weights import checkpoint_dtype, state_dict_sha256
 from serving import hot_swap
 from serving.batching import cache_kv, joined_row_kv, prefill_inputs
 from serving.config import default_threads, on_own_thread
@@ -113,7 +113,8 @@ class TorchEngine(hot_swap.InPlaceEngine):
 
         def build() -> TorchEngine:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                         dtype=checkpoint_dtype(model_dir))
             if n := threads or default_threads(model):
                 torch.set_num_threads(n)
             return cls(model, tokenizer, version_number=version_number, seed=seed,

@@ -46,6 +46,7 @@ from ingest.log import EventConsumer, EventProducer
 from ingest.rollout_events import RolloutGroup, RolloutJob
 from kernels.delta import apply_delta
 from kernels.delta.store import ArtifactStore
+from kernels.weights import served_dtype
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from serving.engine import ModelVersion
 from serving.release_subscriber import ReleaseSubscriber
@@ -119,7 +120,6 @@ def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = 
                 ) -> tuple[Any, Any, ModelVersion]:
     """The policy model, its tokenizer and version, from the store's model files and its
     newest snapshot (the caller then follows the deltas announced after it)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     for key in store.list(MODEL_PREFIX):
@@ -128,8 +128,8 @@ def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = 
         path.write_bytes(store.get_bytes(key))
     newest = max((r for r in store.releases() if r.kind == "snapshot"),
                  key=lambda r: r.version)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(workdir),
-                                             dtype=torch.float32)
+    config = AutoConfig.from_pretrained(workdir)
+    model = AutoModelForCausalLM.from_config(config, dtype=served_dtype(config))
     state = model.state_dict()
     reached = apply_delta(state, store.read_manifest(newest.version, "snapshot"),
                           store.shard_reader(newest.version, "snapshot"))  # verified

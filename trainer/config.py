@@ -21,6 +21,9 @@ class TinyModelSettings(BaseModel):
     """
 
     family: ModelFamily = "qwen3_moe"
+    # the dtype the checkpoint is saved in, and so served and shipped in; the trainers keep
+    # float32 master weights either way (trainer/precision.py)
+    dtype: Literal["float32", "bfloat16"] = "float32"
     vocab_size: int = Field(default=2048, ge=512)
     hidden_size: int = Field(default=128, ge=32)
     num_layers: int = Field(default=4, ge=1)

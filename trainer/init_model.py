@@ -172,7 +172,8 @@ def model_config(cfg: TinyModelSettings, tokenizer):  # -> transformers.Pretrain
              "bos_token_id": None}
     experts: dict[str, object] = {"num_experts_per_tok": cfg.experts_per_token,
                "intermediate_size": cfg.moe_intermediate_size}
-    dense: dict[str, object] = {"intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token}
+    dense: dict[str, object] = {
+        "intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token}
     family: dict[str, tuple[str, dict[str, object]]] = {
         "qwen3_moe": ("Qwen3MoeConfig", {
             **experts, "intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token,
@@ -194,9 +195,11 @@ def build_model(cfg: TinyModelSettings, tokenizer):  # -> a transformers causal 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kernels.weights import SERVED_DTYPES
+
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(model_config(cfg, tokenizer))
-    return model.float().eval()
+    return model.to(SERVED_DTYPES[cfg.dtype]).eval()  # drawn in float32, then rounded
 
 
 def init_model(cfg: TinyModelSettings, out_dir: Path, *, overwrite: bool = False) -> Path:

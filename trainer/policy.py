@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.weights import checkpoint_dtype
 from trainer.distributed import (
     Phases,
     World,
@@ -35,6 +36,7 @@ from trainer.distributed import (
     grad_norm,
     shard,
 )
+from trainer.precision import ServedCopy
 
 
 @dataclass
@@ -199,10 +201,13 @@ class Policy:
 
     def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float = 0.0,
                  max_grad_norm: float = 1.0, adam_eps: float = 1e-8,
-                 world: World | None = None) -> None:
+                 world: World | None = None, served: Any | None = None) -> None:
         self.world = world or World()
         self.phases = Phases(self.world)
-        self.model = model.train()
+        self.model = model.train()  # float32 master weights: what the optimizer steps
+        # the weights in the served dtype (`model` itself in float32): forward, backward and
+        # every policy version published (trainer/precision.py)
+        self.served = ServedCopy(self.model, (served if served is not None else model).train())
         self.tokenizer = tokenizer
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
@@ -227,7 +232,9 @@ class Policy:
             from kernels.batch_invariant import enable_batch_invariant
 
             enable_batch_invariant(model)
-        return cls(shard(model, world), tokenizer, lr=lr, world=world, **kwargs)
+        served = ServedCopy.of(model, checkpoint_dtype(model_dir))
+        return cls(shard(model, world), tokenizer, lr=lr, world=world,
+                   served=shard(served.model, world) if served.separate else None, **kwargs)
 
     @property
     def pad_id(self) -> int:
@@ -238,7 +245,7 @@ class Policy:
         return TokenBatch.from_sequences(sequences, masks, pad_id=self.pad_id)
 
     def token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        return sequence_logprobs(self.model, batch, temperature=temperature)
+        return sequence_logprobs(self.served.model, batch, temperature=temperature)
 
     @property
     def lr(self) -> float:
@@ -250,9 +257,11 @@ class Policy:
 
     def optimizer_step(self) -> float:
         """Clip, step, zero grads, bump the version; returns the pre-clip grad norm."""
+        self.served.gradients_to_master()
         norm = grad_norm(self.model, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.served.refresh()
         self.version += 1
         return norm
 
@@ -278,7 +287,7 @@ class Policy:
         advantages = (None if mine.advantages is None
                       else torch.tensor(mine.advantages, dtype=torch.float32))  # (B,)
         batch = batch.to(world.device)
-        logp = sequence_logprobs(self.model, batch, temperature=objective.temperature)
+        logp = sequence_logprobs(self.served.model, batch, temperature=objective.temperature)
         loss, metrics = objective.loss(
             logp, batch, None if behavior is None else behavior.to(world.device),
             None if advantages is None else advantages.to(world.device))
@@ -299,7 +308,7 @@ class Policy:
         batch = TokenBatch.from_sequences(ran.sequences, ran.masks,
                                           pad_id=self.pad_id).to(world.device)
         with torch.no_grad():
-            logp = sequence_logprobs(self.model, batch, temperature=temperature)
+            logp = sequence_logprobs(self.served.model, batch, temperature=temperature)
         out = torch.zeros(len(rows), dtype=torch.float64)
         if len(mine):
             out[world.rank::world.size] = (logp * batch.loss_mask).sum(1).double().exp().cpu()
@@ -307,24 +316,25 @@ class Policy:
 
     @collective
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole weights, detached copies safe to hand to another thread ({} on the
-        ranks other than the leader)."""
-        return full_state_dict(self.model, self.world)
+        """The whole weights in the served dtype, detached copies safe to hand to another
+        thread ({} on the ranks other than the leader)."""
+        return full_state_dict(self.served.model, self.world)
 
     @collective
     def unsharded_model(self) -> Any:
-        """A plain copy of the model holding the current weights, for an engine (None on the
-        ranks other than the leader)."""
+        """A plain copy of the model holding the current weights in the served dtype, for an
+        engine (None on the ranks other than the leader)."""
         if not self.world.sharded:
-            return copy.deepcopy(self.model)
-        weights = full_state_dict(self.model, self.world)
+            return copy.deepcopy(self.served.model)
+        weights = full_state_dict(self.served.model, self.world)
         if not self.world.leader:
             return None
         from transformers import AutoModelForCausalLM
 
         from kernels.batch_invariant import enable_batch_invariant, is_batch_invariant
 
-        model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+        dtype = next(iter(weights.values())).dtype
+        model = AutoModelForCausalLM.from_config(self.model.config, dtype=dtype)
         model.load_state_dict(weights)
         if is_batch_invariant(self.model):
             enable_batch_invariant(model)
@@ -332,8 +342,9 @@ class Policy:
 
     @collective
     def save(self, out_dir: Path) -> Path:
-        """The weights and the tokenizer as a Hugging Face model directory (the leader's)."""
-        model = self.model if not self.world.sharded else self.unsharded_model()
+        """The weights (in the served dtype) and the tokenizer as a Hugging Face model
+        directory (the leader's)."""
+        model = self.served.model if not self.world.sharded else self.unsharded_model()
         if self.world.leader:
             out_dir.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(out_dir)

@@ -37,7 +37,7 @@ import torch
 
 from ingest.events import ExperienceReady
 from ingest.topic_reader import Offsets
-from kernels.weights import state_dict_sha256
+from kernels.weights import checkpoint_dtype, state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
 from trainer.distributed import (
     Phases,
@@ -53,6 +53,7 @@ from trainer.online.batch import Row, pack_rows
 from trainer.online.config import OnlineTrainerSettings
 from trainer.online.loss import OnlineLoss, advantages, clipped_online_loss, online_loss
 from trainer.policy import TokenBatch, sequence_logprobs
+from trainer.precision import ServedCopy
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,16 @@ class OnlineTrainer:
 
     def __init__(self, cfg: OnlineTrainerSettings, model: Any, reference: Any, pad_id: int,
                  store: CheckpointStore, *, assistant_header: Sequence[int] = (),
-                 world: World | None = None, reference_sha256: str | None = None) -> None:
+                 world: World | None = None, reference_sha256: str | None = None,
+                 served: Any | None = None) -> None:
         self.cfg = cfg
         self.world = world or World()
         self.phases = Phases(self.world)
         self.assistant_header = list(assistant_header)  # where a conversation's opening ends
-        self.model = model.train()
+        self.model = model.train()  # float32 master weights: the optimizer's, the checkpoint's
+        # the weights in the served dtype (`model` itself in float32): forward, backward and
+        # everything published (trainer/precision.py)
+        self.served = ServedCopy(self.model, (served if served is not None else model).train())
         self.reference = reference.eval().requires_grad_(False)
         self.pad_id = pad_id
         self.store = store
@@ -128,18 +133,20 @@ class OnlineTrainer:
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         header = ChatTokens(AutoTokenizer.from_pretrained(model_dir)).open("assistant")
-        base_sha = state_dict_sha256(model.state_dict())  # whole, before it is sharded
         if not world.sharded:  # sharded, each block moves its own shard to the device
             model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
         if batch_invariant:  # per module: FSDP2's hooks wrap the patched forwards
             from kernels.batch_invariant import enable_batch_invariant
 
             enable_batch_invariant(model)
-        reference = copy.deepcopy(model)
+        served = ServedCopy.of(model, checkpoint_dtype(model_dir))
+        base_sha = state_dict_sha256(served.model.state_dict())  # whole, before it is sharded
+        reference = copy.deepcopy(served.model)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
         trainer = cls(cfg, shard(model, world), shard(reference, world),
                       int(model.config.pad_token_id), store, assistant_header=header,
-                      world=world, reference_sha256=base_sha)
+                      world=world, reference_sha256=base_sha,
+                      served=shard(served.model, world) if served.separate else None)
         trainer.load_latest()
         return trainer
 
@@ -154,6 +161,7 @@ class OnlineTrainer:
         self.store.load_tensors(ckpt, {"weights": weights, "optimizer": optimizer})  # in place
         set_state_dict(self.model, self.optimizer, model_state_dict=weights,
                        optim_state_dict=optimizer)
+        self.served.refresh()
         self.state = TrainerState(**ckpt.state)
         self.baseline.load_state_dict(self.state.baseline)
         self.ledger = ckpt.ledger
@@ -221,7 +229,7 @@ class OnlineTrainer:
         with torch.no_grad():
             ref = (self.logprobs(self.reference, batch, mine) if self.cfg.kl_coef > 0
                    else torch.zeros_like(behavior))
-        logp = self.logprobs(self.model, batch, mine)
+        logp = self.logprobs(self.served.model, batch, mine)
         out = self._loss(logp, behavior, ref, token_adv, batch.loss_mask.bool())
         my_tokens = float(batch.loss_mask.sum())
         # the token mean over the whole batch, after FSDP averages the ranks' gradients
@@ -243,11 +251,13 @@ class OnlineTrainer:
         """One optimizer step on one batch; records the batch in the ledger."""
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.forward_backward(experiences)
+        self.served.gradients_to_master()
         norm = grad_norm(self.model, self.cfg.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * warmup_factor(self.state.step - self.state.warmup_from,
                                                       self.cfg.warmup_steps)
         self.optimizer.step()
+        self.served.refresh()
         self.ledger.record(LedgerEntry(
             step=self.state.step, experience_ids=[e.experience_id for e in experiences],
             generation_ids=[e.generation_id for e in experiences],
@@ -274,7 +284,8 @@ class OnlineTrainer:
         """Back to the served release, whose weights the KL reference holds (the gate refused
         a candidate: training on from its weights would carry its drift into the next one),
         with fresh AdamW moments and the rate warming up again."""
-        self.model.load_state_dict(self.reference.state_dict())  # shard for shard
+        self.model.load_state_dict(self.reference.state_dict())  # shard for shard (upcast)
+        self.served.refresh()
         self.optimizer = self._new_optimizer()
         self.state.warmup_from = self.state.step
 
@@ -282,22 +293,22 @@ class OnlineTrainer:
     def adopt_reference(self) -> str:
         """The current weights become the KL reference (a release was published); returns
         their sha256, under which the leader stored them for a resume."""
-        weights = full_state_dict(self.model, self.world)
+        weights = full_state_dict(self.served.model, self.world)
         sha = state_dict_sha256(weights) if self.world.leader else None
         if sha is not None:
             self.store.save_reference(sha, weights)
         del weights
-        self.reference.load_state_dict(self.model.state_dict())  # shard for shard
+        self.reference.load_state_dict(self.served.model.state_dict())  # shard for shard
         self.state.reference_sha256 = self.world.broadcast(sha)
         return self.state.reference_sha256 or ""
 
     @collective
     def export_candidate(self, path: Path) -> Path:
-        """Current weights as safetensors (tied tensors as copies), for the release pipeline;
-        gathered to the leader, which alone writes the file."""
+        """Current weights in the served dtype as safetensors (tied tensors as copies), for
+        the release pipeline; gathered to the leader, which alone writes the file."""
         from safetensors.torch import save_file
 
-        weights = full_state_dict(self.model, self.world)
+        weights = full_state_dict(self.served.model, self.world)
         if self.world.leader:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")

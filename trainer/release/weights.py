@@ -23,7 +23,7 @@ from kernels.delta import EncodedRelease, encode_delta, encode_snapshot
 from kernels.delta.chain import apply_chain, plan_chain
 from kernels.delta.manifest import VersionRef
 from kernels.delta.store import ArtifactStore, artifact_store_config, build_artifact_store
-from kernels.weights import state_dict_sha256
+from kernels.weights import checkpoint_dtype, state_dict_sha256
 from trainer.release.config import ReleaseConfig
 from trainer.release.eval_gate import EvalSuite, GateDecision, Scores, build_eval_suite, gate
 
@@ -49,7 +49,8 @@ def load_model(model_dir: Path) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir,
+                                                dtype=checkpoint_dtype(model_dir)).eval()
 
 
 def base_weights(model_dir: Path) -> Weights:
