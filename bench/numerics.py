@@ -24,6 +24,7 @@ seeded CPU generator, so sampling is deterministic and the same code on both dev
 
     .venv/bin/python bench/numerics.py [--rounds 3]   # ~6 minutes on 2 shared cores
     python bench/numerics.py --device cuda            # on a GPU machine
+    .venv/bin/python bench/numerics.py --dtype bfloat16   # weights in bfloat16
 The last line is one JSON object (default model at top level, the larger one under "larger",
 the device under "device").
 """
@@ -213,9 +214,11 @@ def compare(model: torch.nn.Module, on: bool,
 
 
 def run(name: str, config: Qwen3MoeConfig, rounds: int, device: torch.device,
-        seed: int = 0) -> dict[str, object]:
+        seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, object]:
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).eval().to(device)  # same weights on every device
+    for param in model.parameters():  # buffers as a checkpoint loaded in `dtype` keeps them
+        param.data = param.data.to(dtype)
     compare(model, on=False, seed=seed + 100)  # warm-up (allocator, kernels)
     if device.type == "cuda":
         compare(model, on=True, seed=seed + 100)  # Triton compiles its kernels on first use
@@ -248,23 +251,26 @@ def main() -> None:
                         help="skip vLLM vs the torch engine (bench/numerics_engines.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model runs (cuda: the Triton kernels)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' dtype (serving and the trainer's forward)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cpu":
         torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning across busy cores costs 10-100x
     else:
         print(f"device: {torch.cuda.get_device_name(device)}")
     result: dict[str, object] = {}
     if args.only in (None, "default"):
-        result = run("default", tiny_config(), args.rounds, device)
+        result = run("default", tiny_config(), args.rounds, device, dtype=dtype)
     if args.only in (None, "larger"):
-        result["larger"] = run("larger", larger_config(), args.rounds, device)
+        result["larger"] = run("larger", larger_config(), args.rounds, device, dtype=dtype)
     if args.engines and args.only in (None, "engines") and device.type == "cpu" \
             and importlib.util.find_spec("vllm") is not None:
         from bench.numerics_engines import run_engines
 
         result["engines"] = run_engines()
-    print(json.dumps({"bench": "numerics", **result, "device": args.device}))
+    print(json.dumps({"bench": "numerics", **result, "device": args.device,
+                      "dtype": args.dtype}))
 
 
 if __name__ == "__main__":

@@ -247,6 +247,12 @@ class Policy:
     def token_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> torch.Tensor:
         return sequence_logprobs(self.served.model, batch, temperature=temperature)
 
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The master weights become `weights` (upcast where they are the served dtype's), and
+        the served copy follows. One process only."""
+        self.model.load_state_dict(weights)
+        self.served.refresh()
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

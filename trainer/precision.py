@@ -42,6 +42,7 @@ class ServedCopy:
         # inverse frequencies stay float32 there; rounded, every position's angle would move)
         for param in served.parameters():
             param.data = param.data.to(dtype)
+        served.config.dtype = dtype  # what a worker built from this config loads it in
         return cls(master, served)
 
     @property

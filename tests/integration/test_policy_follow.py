@@ -37,7 +37,7 @@ def test_a_version_is_prepared_ahead_then_committed_and_a_false_one_refused(
     policy = Policy.load(model_dir, lr=1e-3)
     store = build_artifact_store(artifact_store_config(str(tmp_path / "policy")))
     v0 = policy.state_dict()
-    publisher = PolicyPublisher(store, kafka).start(0, v0, model_files(policy.model,
+    publisher = PolicyPublisher(store, kafka).start(0, v0, model_files(policy.served.model,
                                                                         policy.tokenizer))
     model, tokenizer, version = load_policy(store, tmp_path / "worker")
     engine = TorchEngine(model, tokenizer)
@@ -74,3 +74,27 @@ def test_a_version_is_prepared_ahead_then_committed_and_a_false_one_refused(
         follower.stop()
         publisher.close()
         engine.close()
+
+
+def test_a_bfloat16_policy_reaches_a_worker_in_bfloat16(
+        kafka: KafkaConfig, tmp_path: Path) -> None:
+    """The learner's float32 masters stay home: what a worker builds from the store's files
+    and the first snapshot is the served bfloat16 policy, bit for bit."""
+    from trainer.config import TinyModelSettings
+    from trainer.init_model import init_model
+
+    model_dir = init_model(TinyModelSettings(dtype="bfloat16", hidden_size=64, num_layers=2,
+                                             head_dim=16, moe_intermediate_size=32),
+                           tmp_path / "bf16")
+    policy = Policy.load(model_dir, lr=1e-3)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
+    store = build_artifact_store(artifact_store_config(str(tmp_path / "policy")))
+    v0 = policy.state_dict()
+    publisher = PolicyPublisher(store, kafka).start(0, v0, model_files(policy.served.model,
+                                                                        policy.tokenizer))
+    try:
+        model, _, version = load_policy(store, tmp_path / "worker")
+        assert {t.dtype for t in model.state_dict().values()} == {torch.bfloat16}
+        assert version.sha256 == state_dict_sha256(model.state_dict()) == state_dict_sha256(v0)
+    finally:
+        publisher.close()

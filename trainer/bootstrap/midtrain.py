@@ -162,7 +162,7 @@ class MidTrainedStart:
     def policy(self, *, lr: float) -> Policy:
         """A fresh policy (its own optimizer) holding the mid-trained weights."""
         policy = Policy.load(self.model_dir, lr=lr)
-        policy.model.load_state_dict(self.state)
+        policy.load_weights(self.state)
         return policy
 
 

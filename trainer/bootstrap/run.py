@@ -211,7 +211,7 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         kafka, work_dir = local.kafka, local.work_dir
         store = build_artifact_store(artifact_store_config(local.store_url))
         publisher = PolicyPublisher(store, kafka).start(
-            policy.version, policy.state_dict(), model_files(policy.model, policy.tokenizer))
+            policy.version, policy.state_dict(), model_files(policy.served.model, policy.tokenizer))
         stack.callback(publisher.close)
         fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
                              publisher, first_step=policy.version, steps=cfg.max_steps,
