@@ -12,7 +12,7 @@ or shuffled by `--seeds`), and scores held-out pass@1 as the eval gate does (8 e
 held-out task at 0.7, the gate's seed) every `--eval-every` steps. All of a first release is
 off-policy from version 0, as it is live, so this is the first release's training, offline.
 
-    .venv/bin/python bench/online_replay.py --data-dir /tmp/X/data --seeds -1 1 2 3 \\
+    .venv/bin/python bench/online_replay.py [--data-dir data] --seeds -1 1 2 3 \\
         [--set '{"lr": 1e-4}'] [--steps 24] [--eval-every 12]
 
 Ends with one JSON line: version 0's held-out pass@1 and, per seed, the figure at each check.
@@ -66,7 +66,8 @@ def version0_sessions(data_dir: Path, settings: Settings) -> list[list[Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, required=True, help="a demo run's data dir")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"),
+                        help="a finished demo run's data dir (make demo's: data)")
     parser.add_argument("--set", default="{}", help="online trainer settings, JSON")
     parser.add_argument("--steps", type=int, default=DemoPlan.release_every_steps)
     parser.add_argument("--batch", type=int, default=DemoPlan.online_batch)
@@ -74,6 +75,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[-1],
                         help="-1: the order the verdicts arrived; else a shuffle of sessions")
     args = parser.parse_args()
+    if not (args.data_dir / "live" / "join.db").exists():
+        print(json.dumps({"bench": "online_replay", "skipped": f"no demo run in {args.data_dir} "
+                          "(make demo first, or --data-dir of one)"}))
+        return
 
     import torch
     from transformers import AutoTokenizer
