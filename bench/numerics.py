@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.batch_invariant import disable_batch_invariant, enable_batch_invariant  # noqa: E402
 from kernels.bi_ops import token_logprobs  # noqa: E402
 from kernels.moe_replay import capture_routes, replay_routes, stack_routes  # noqa: E402
+from trainer.precision import cast_parameters  # noqa: E402
 
 WAVES = (1, 32, 4, 11, 2, 17)  # serving batch sizes, one static batch each
 
@@ -216,9 +217,8 @@ def compare(model: torch.nn.Module, on: bool,
 def run(name: str, config: Qwen3MoeConfig, rounds: int, device: torch.device,
         seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, object]:
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval().to(device)  # same weights on every device
-    for param in model.parameters():  # buffers as a checkpoint loaded in `dtype` keeps them
-        param.data = param.data.to(dtype)
+    # same weights on every device; buffers as a checkpoint loaded in `dtype` keeps them
+    model = cast_parameters(Qwen3MoeForCausalLM(config).eval().to(device), dtype)
     compare(model, on=False, seed=seed + 100)  # warm-up (allocator, kernels)
     if device.type == "cuda":
         compare(model, on=True, seed=seed + 100)  # Triton compiles its kernels on first use

@@ -27,9 +27,9 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def vllm_samples(model_dir: Path, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     from vllm import LLM, SamplingParams
 
-    from serving.vllm_engine import checkpoint_dtype
+    from serving.vllm_engine import vllm_dtype
 
-    llm = LLM(model=str(model_dir), dtype=checkpoint_dtype(model_dir), seed=0,
+    llm = LLM(model=str(model_dir), dtype=vllm_dtype(model_dir), seed=0,
               kv_cache_memory_bytes=1 << 30, logprobs_mode="processed_logprobs")
     params = [SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, seed=i, logprobs=0,
                              ignore_eos=True) for i in range(len(batch))]

@@ -70,12 +70,12 @@ def flywheel_up(data_dir: Path, model_dir: Path, **env: str) -> Iterator[str]:
 def vllm_server(model_dir: Path, log_dir: Path, *, max_num_seqs: int = 32,
                 kv_cache_gib: float = 1.0) -> Iterator[str]:
     """vLLM's OpenAI server on the same model, dtype and KV-cache size as the backend."""
-    from serving.vllm_engine import checkpoint_dtype
+    from serving.vllm_engine import vllm_dtype
 
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model_dir), "--served-model-name", "flywheel", "--port", str(port),
-            "--dtype", str(checkpoint_dtype(model_dir)), "--max-num-seqs", str(max_num_seqs),
+            "--dtype", vllm_dtype(model_dir), "--max-num-seqs", str(max_num_seqs),
             "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))), "--seed", "0"]
     log = log_dir / "vllm-server.log"
     with _process(argv, dict(os.environ), log) as proc:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.delta.store import ArtifactStore
+from kernels.weights import checkpoint_dtype
 from serving.engine import (
     EngineError,
     FinishReason,
@@ -121,13 +122,11 @@ def routes_array(raw: Any, rows: int) -> np.ndarray | None:
     return routes[:rows]
 
 
-def checkpoint_dtype(model_dir: Path) -> Any:
-    """The dtype the checkpoint was saved in. vLLM's "auto" picks bfloat16 for a float32
-    checkpoint on CPU; the trainer's weights, releases and logprobs are the checkpoint's."""
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text())
-    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+def vllm_dtype(model_dir: Path) -> Any:  # vLLM types it as a Literal of names
+    """The served dtype (`kernels.weights.checkpoint_dtype`, what the torch engine and the
+    trainers use) as vLLM names it; vLLM's own "auto" picks bfloat16 for a float32 checkpoint
+    on CPU."""
+    return str(checkpoint_dtype(model_dir)).removeprefix("torch.")
 
 
 def version_label(version: ModelVersion) -> str:
@@ -172,7 +171,7 @@ class VllmEngine:
             {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization} if gpu else
             {"kv_cache_memory_bytes": int(settings.vllm_cpu_kv_cache_gib * (1 << 30))})
         args = AsyncEngineArgs(
-            model=str(model_dir), tokenizer=str(model_dir), dtype=checkpoint_dtype(model_dir),
+            model=str(model_dir), tokenizer=str(model_dir), dtype=vllm_dtype(model_dir),
             seed=settings.seed,
             max_num_seqs=settings.max_batch, enable_return_routed_experts=gpu,
             logprobs_mode="processed_logprobs", max_logprobs=20,

@@ -170,13 +170,13 @@ def model_config(cfg: TinyModelSettings, tokenizer):  # -> transformers.Pretrain
              "tie_word_embeddings": cfg.family in ("qwen3_moe", "qwen3"),
              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
              "bos_token_id": None}
-    experts: dict[str, object] = {"num_experts_per_tok": cfg.experts_per_token,
-               "intermediate_size": cfg.moe_intermediate_size}
-    dense: dict[str, object] = {
+    dense: dict[str, object] = {  # a dense MLP as wide as the MoE's active experts
         "intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token}
+    experts: dict[str, object] = {"num_experts_per_tok": cfg.experts_per_token,
+                                  "intermediate_size": cfg.moe_intermediate_size}
     family: dict[str, tuple[str, dict[str, object]]] = {
-        "qwen3_moe": ("Qwen3MoeConfig", {
-            **experts, "intermediate_size": cfg.moe_intermediate_size * cfg.experts_per_token,
+        "qwen3_moe": ("Qwen3MoeConfig", {  # its intermediate_size: the dense layers' (none)
+            **dense, "num_experts_per_tok": cfg.experts_per_token,
             "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
         "qwen3": ("Qwen3Config", dense),

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.weights import checkpoint_dtype
+from kernels.weights import checkpoint_dtype, served_dtype
 from trainer.distributed import (
     Phases,
     World,
@@ -339,8 +339,8 @@ class Policy:
 
         from kernels.batch_invariant import enable_batch_invariant, is_batch_invariant
 
-        dtype = next(iter(weights.values())).dtype
-        model = AutoModelForCausalLM.from_config(self.model.config, dtype=dtype)
+        config = self.served.model.config  # the served dtype's (trainer/precision.py)
+        model = AutoModelForCausalLM.from_config(config, dtype=served_dtype(config))
         model.load_state_dict(weights)
         if is_batch_invariant(self.model):
             enable_batch_invariant(model)

@@ -27,6 +27,15 @@ from typing import Any
 import torch
 
 
+def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
+    """`model` with its parameters in `dtype`, in place. Buffers keep their dtype, as in a model
+    loaded in `dtype` (RoPE's inverse frequencies stay float32 there; rounded, every
+    position's angle would move)."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
 @dataclass
 class ServedCopy:
     master: Any  # float32: the optimizer's and the checkpoint's weights
@@ -37,11 +46,7 @@ class ServedCopy:
         """`master` (float32, not sharded yet) and its copy in `dtype`."""
         if dtype == torch.float32:
             return cls(master, master)
-        served = copy.deepcopy(master)
-        # the parameters only: buffers keep their dtype, as in a model loaded in `dtype` (RoPE's
-        # inverse frequencies stay float32 there; rounded, every position's angle would move)
-        for param in served.parameters():
-            param.data = param.data.to(dtype)
+        served = cast_parameters(copy.deepcopy(master), dtype)
         served.config.dtype = dtype  # what a worker built from this config loads it in
         return cls(master, served)
 

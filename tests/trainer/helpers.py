@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,20 +54,31 @@ def _sample_experiences(model_dir: Path, count: int, *, seed: int, max_tokens: i
                              past_key_values=step.past_key_values)
             with capture_routes(model) as rec:
                 model(input_ids=torch.tensor([ids[:-1]]))
-        completion = ids[len(prompt):]
-        event_id = f"evt-{uuid.uuid4().hex}"
-        reward = 1.0 if completion[0] % 2 == 0 else -1.0  # a hidden preference to learn
-        out.append(ExperienceReady(
-            experience_id=experience_id_for(event_id), generation_id=f"gen-{uuid.uuid4().hex}",
-            feedback_event_ids=[event_id], feedback_kind="accept" if reward > 0 else "reject",
-            reward=reward, model_version=0, model_sha256="0" * 64,
-            prompt_token_ids=PackedArray.pack(prompt, "int32"),
-            completion_token_ids=PackedArray.pack(completion, "int32"),
-            logprobs=PackedArray.pack(logprobs, "float32"),
-            routed_experts=PackedArray.pack(rec.sequences()[0].numpy(), "int16"),
-            sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
-            finish_reason="length", generated_at=utcnow()))
+        out.append(judged_experience(prompt, ids[len(prompt):], logprobs,
+                                     rec.sequences()[0].numpy(), temperature=temperature,
+                                     max_tokens=max_tokens))
     return out
+
+
+def judged_experience(prompt: list[int], completion: list[int], logprobs: list[float],
+                      routes: Any, *, temperature: float, max_tokens: int,
+                      finish_reason: str = "length", model_version: int = 0,
+                      model_sha256: str = "0" * 64) -> ExperienceReady:
+    """What the join makes of a generation (its tokens, behavior logprobs and routes, None
+    where none were captured) with a reward from a hidden preference to learn: +1 when the
+    first completion token is even, else -1."""
+    event_id = f"evt-{uuid.uuid4().hex}"
+    reward = 1.0 if completion[0] % 2 == 0 else -1.0
+    return ExperienceReady(
+        experience_id=experience_id_for(event_id), generation_id=f"gen-{uuid.uuid4().hex}",
+        feedback_event_ids=[event_id], feedback_kind="accept" if reward > 0 else "reject",
+        reward=reward, model_version=model_version, model_sha256=model_sha256,
+        prompt_token_ids=PackedArray.pack(prompt, "int32"),
+        completion_token_ids=PackedArray.pack(completion, "int32"),
+        logprobs=PackedArray.pack(logprobs, "float32"),
+        routed_experts=None if routes is None else PackedArray.pack(routes, "int16"),
+        sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+        finish_reason=finish_reason, generated_at=utcnow())
 
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from pathlib import Path
 from typing import get_args
 
@@ -26,11 +25,12 @@ import torch
 
 from app.settings import Settings
 from ingest.config import KafkaConfig
-from ingest.events import ExperienceReady, PackedArray, SamplingParams, experience_id_for, utcnow
+from ingest.events import ExperienceReady
 from kernels.weights import checkpoint_dtype, state_dict_sha256
 from serving.engine import GenerationRequest, GenerationResult, ModelVersion
 from serving.torch_engine import TorchEngine
 from tests.kernels.helpers import one_thread  # noqa: F401 (autouse: one torch thread)
+from tests.trainer.helpers import judged_experience
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.run import OfflineTrainer
 from trainer.config import MOE_FAMILIES, ModelFamily, TinyModelSettings
@@ -72,23 +72,10 @@ def serve(engine: TorchEngine) -> list[tuple[list[int], GenerationResult]]:
 
 def experiences(served: list[tuple[list[int], GenerationResult]]) -> list[ExperienceReady]:
     """What the join would make of the generations: a reward from a hidden preference."""
-    out = []
-    for prompt, result in served:
-        event_id = f"evt-{uuid.uuid4().hex}"
-        reward = 1.0 if result.token_ids[0] % 2 == 0 else -1.0
-        routes = result.routed_experts
-        out.append(ExperienceReady(
-            experience_id=experience_id_for(event_id), generation_id=f"gen-{uuid.uuid4().hex}",
-            feedback_event_ids=[event_id], feedback_kind="accept" if reward > 0 else "reject",
-            reward=reward, model_version=result.version.number,
-            model_sha256=result.version.sha256,
-            prompt_token_ids=PackedArray.pack(prompt, "int32"),
-            completion_token_ids=PackedArray.pack(result.token_ids, "int32"),
-            logprobs=PackedArray.pack(result.logprobs, "float32"),
-            routed_experts=None if routes is None else PackedArray.pack(routes, "int16"),
-            sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS),
-            finish_reason=result.finish_reason, generated_at=utcnow()))
-    return out
+    return [judged_experience(prompt, r.token_ids, r.logprobs, r.routed_experts,
+                              temperature=1.0, max_tokens=MAX_TOKENS,
+                              finish_reason=r.finish_reason, model_version=r.version.number,
+                              model_sha256=r.version.sha256) for prompt, r in served]
 
 
 def online(model_dir: Path, root: Path, *, batch_invariant: bool = False) -> OnlineTrainer:
