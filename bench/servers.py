@@ -33,7 +33,7 @@ def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
                 proc.kill()
 
 
-def wait_answering(url: str, path: str = "/v1/models", *, timeout_s: float = 300,
+def wait_answering(url: str, path: str = "/v1/models", *, timeout_s: float = 900,
                    proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     """Poll `url + path` until it answers 200; fail early when `proc` (the server) exits."""
     where = f"; see {log}" if log is not None else ""

@@ -31,6 +31,13 @@ sampled under the call grammar's mask, serving/grammar.py) against free text, at
 Then the same at c=1 and c=32 on a ~124M-parameter model of the same family (`flywheel
 init-model --large`), where compute rather than per-op overhead sets the pace: the `large_`
 keys (`--no-large` skips it).
+
+`--family F` (another family Flywheel builds: `llama`, `qwen3`, `mistral`, `mixtral`, `olmoe`)
+times that family at ~100M parameters instead (`TinyModelSettings.large(F)`: a dense family
+~107M, a MoE ~124M): `flywheel up` with the torch engine, HF `generate` one by one and vLLM's
+own server on the same checkpoint, at c=1 and c=32 (`ratio_c1`, `ratio_c32`, `ratio_vllm_c1`,
+`ratio_vllm_c32`); the API's own costs (logging, keys, tools, swaps) do not depend on the
+family and are left to the default run.
 Ends with one JSON line: {"bench": "serving", ...}.
 """
 
@@ -46,7 +53,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -55,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.cli.stack import running_broker  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from ingest.broker import free_port  # noqa: E402
+from trainer.config import ModelFamily, TinyModelSettings  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "Write a function that reverses a string.", "def is_even(n):",
            "Return the largest item of a list.", "def count_vowels(s):",
@@ -183,12 +191,22 @@ def main() -> int:
                         help="skip the vLLM backend and vLLM's own server")
     parser.add_argument("--no-large", dest="large", action="store_false",
                         help="skip the ~124M-parameter model")
+    parser.add_argument("--family", choices=get_args(ModelFamily), default="qwen3_moe",
+                        help="time this family at ~100M parameters only (default: the default "
+                             "model's family, every round)")
     args = parser.parse_args()
     counts = dict(zip((1, 8, 32), (int(x) for x in args.requests.split(",")), strict=True))
 
     from trainer.init_model import init_model
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    use_vllm = args.vllm and importlib.util.find_spec("vllm") is not None
+    if args.family != "qwen3_moe":
+        result = {"bench": "serving", "family": args.family}
+        large_rounds(result, data_dir, args.max_tokens, vllm=use_vllm, family=args.family,
+                     prefix="")
+        print(json.dumps(result))
+        return 0
     settings = Settings(data_dir=data_dir, port=free_port())
     init_model(settings.model, settings.resolved_model_dir)
     result: dict[str, Any] = {"bench": "serving", "tokens_per_s": {}, "p50_ms": {},
@@ -236,7 +254,6 @@ def main() -> int:
     print(f"HF generate one by one: {rate:8.1f} tok/s  p50 {pct(times, 50):.1f} ms per request "
           f"(c=1); ratio at c=32: {result['ratio_c32']}x; logging overhead p50 "
           f"{result['logging_overhead_p50'] * 100:+.1f}%")
-    use_vllm = args.vllm and importlib.util.find_spec("vllm") is not None
     if use_vllm:
         vllm_rounds(result, settings.resolved_model_dir, data_dir, counts, args.max_tokens)
     if args.large:
@@ -350,31 +367,43 @@ def vllm_rounds(result: dict[str, Any], model_dir: Path, data_dir: Path,
           f"{vllm_pauses}")
 
 
-def large_rounds(result: dict[str, Any], data_dir: Path, max_tokens: int, *,
-                 vllm: bool) -> None:
-    """c=1 and c=32 on the ~124M model: the torch engine (`flywheel up` in its own process),
-    HF `generate` one by one, and vLLM's server where installed."""
+def large_rounds(result: dict[str, Any], data_dir: Path, max_tokens: int, *, vllm: bool,
+                 family: ModelFamily = "qwen3_moe", prefix: str = "large_") -> None:
+    """c=1 and c=32 on the family's ~100M model (`TinyModelSettings.large`): the torch engine
+    (`flywheel up` in its own process), HF `generate` one by one, and vLLM's server where
+    installed; the keys named with `prefix`."""
     from bench.servers import flywheel_up, vllm_server
-    from trainer.config import TinyModelSettings
     from trainer.init_model import init_model
 
-    model_dir = init_model(TinyModelSettings.large(), data_dir / "models" / "large")
+    model_dir = init_model(TinyModelSettings.large(family), data_dir / "models" / "large")
+    result[f"{prefix}params"] = parameters(model_dir)
     counts = {1: 4, 32: 32}
     with flywheel_up(data_dir / "up-large", model_dir) as url:
-        rates = measure("flywheel large", url, counts, max_tokens)
+        rates = measure(f"flywheel {family}", url, counts, max_tokens)
     rate, _ = fastest_baseline(model_dir, 4, max_tokens)
-    result["large_tokens_per_s"] = rates
-    result["large_baseline_tokens_per_s"] = round(rate, 1)
-    result["large_ratio_c1"] = round(rates["1"] / rate, 2)
-    result["large_ratio_c32"] = round(rates["32"] / rate, 2)
-    print(f"large: HF generate one by one {rate:.1f} tok/s; ratio c=1 "
-          f"{result['large_ratio_c1']}x, c=32 {result['large_ratio_c32']}x", flush=True)
+    result[f"{prefix}tokens_per_s"] = rates
+    result[f"{prefix}baseline_tokens_per_s"] = round(rate, 1)
+    result[f"{prefix}ratio_c1"] = round(rates["1"] / rate, 2)
+    result[f"{prefix}ratio_c32"] = round(rates["32"] / rate, 2)
+    print(f"{family} ({result[f'{prefix}params'] / 1e6:.0f}M): HF generate one by one "
+          f"{rate:.1f} tok/s; ratio c=1 {result[f'{prefix}ratio_c1']}x, c=32 "
+          f"{result[f'{prefix}ratio_c32']}x", flush=True)
     if vllm:
         with vllm_server(model_dir, data_dir / "up-large") as url:
-            server = measure("vllm large", url, counts, max_tokens)
-        result["large_vllm_server_tokens_per_s"] = server
-        result["large_ratio_vllm_c1"] = round(rates["1"] / server["1"], 2)
-        result["large_ratio_vllm_c32"] = round(rates["32"] / server["32"], 2)
+            server = measure(f"vllm {family}", url, counts, max_tokens)
+        result[f"{prefix}vllm_server_tokens_per_s"] = server
+        result[f"{prefix}ratio_vllm_c1"] = round(rates["1"] / server["1"], 2)
+        result[f"{prefix}ratio_vllm_c32"] = round(rates["32"] / server["32"], 2)
+        print(f"{family}: torch engine / vLLM server c=1 {result[f'{prefix}ratio_vllm_c1']}x, "
+              f"c=32 {result[f'{prefix}ratio_vllm_c32']}x", flush=True)
+
+
+def parameters(model_dir: Path) -> int:
+    """The checkpoint's parameter count (a tied head counted once)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(int(np.prod(f.get_slice(name).get_shape())) for name in f.keys())
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """One decode step of the torch engine over its `PaddedKVBatch`: a lean forward for the
-Qwen3-MoE family, or the model's own Hugging Face forward for everything else.
+families Flywheel builds and tests (Qwen3-MoE, Qwen3, Llama, Mistral, Mixtral, OLMoE), or the
+model's own Hugging Face forward for anything else.
 
 A decode step feeds one token per row. Hugging Face's forward is built for any shape: per call
 it builds a 4-D causal mask, RoPE tables, output dataclasses and a `DynamicCache` that
 concatenates every layer's keys/values into new tensors. At the default model's size that
-bookkeeping, not arithmetic, is most of a step. `Qwen3MoeDecoder` runs the same layers on the
+bookkeeping, not arithmetic, is most of a step. `LeanDecoder` runs the same layers on the
 same parameters (the model's projection modules, its norms' and routers' weights: a swap in
 place is seen at once) with what a one-token step needs: RoPE rows from a table, keys/values
 written into the batch's store in place, grouped-query attention as two batched matmuls over
-the live columns, the router's math inline, and the top-k experts computed per token (few
-tokens) or as one grouped GEMM per projection (many). It returns each row's logits and the
-experts every MoE layer chose, as the route recorder would have. `compile` puts the steps of a
-few rows through `torch.compile`, where per-op overhead is all their cost.
+the live columns, and the feed-forward half: a dense MLP's three projections, or a MoE layer's
+router math inline and the top-k experts computed per token (few tokens) or as one grouped GEMM
+per projection (many). The families differ in three places, each read from the model: the
+query/key norm (per head in Qwen3, over the whole projection in OLMoE, none in Llama, Mistral
+and Mixtral), dense or expert layers, and whether the router renormalizes its top-k. It returns
+each row's logits and the experts every MoE layer chose (None for a dense model), as the route
+recorder would have. `compile` puts the steps of a few rows through `torch.compile`, where
+per-op overhead is all their cost.
 
 `mixed` is the same step with requests joining: their prompt tokens (past any cached prefix) go
 through every projection, router and expert GEMM together with the rows' new tokens, attention
@@ -22,7 +27,9 @@ that admits reads them once.
 Logits agree with Hugging Face's forward to float tolerance, not bitwise (other kernels, other
 summation order), so the batch-invariant mode keeps the model's own forward
 (`kernels.batch_invariant` swaps its modules for invariant ones): `lean_decoder` returns None
-for it, and for any model outside the family.
+for it, for a family outside the list, and for a configuration the step does not compute
+(projection biases, a sliding window shorter than the context, RoPE whose table depends on the
+sequence length, OLMoE's `clip_qkv`).
 
     decoder = lean_decoder(model)        # None: use the model's forward
     logits, routes = decode(model, decoder, batch, tokens, recorder)
@@ -35,7 +42,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,21 +52,34 @@ from serving.onednn import OneDnnMode, OneDnnWeights
 
 log = logging.getLogger(__name__)
 
+# model_type -> how its attention normalizes queries and keys: per head after the projection is
+# split into heads, over the whole projection before, or not at all
+QK_NORM: dict[str, Literal["head", "projection", None]] = {
+    "qwen3_moe": "head", "qwen3": "head", "olmoe": "projection",
+    "llama": None, "mistral": None, "mixtral": None}
+# RoPE types whose table is fixed at load (`rotary_emb.inv_freq`, `attention_scaling`); the
+# others ("dynamic", "longrope") change with the sequence length
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
 def lean_decoder(model: Any, *, batch_invariant: bool = False,
-                 onednn: OneDnnMode = "auto") -> Qwen3MoeDecoder | None:
+                 onednn: OneDnnMode = "auto") -> LeanDecoder | None:
     """The lean decode step for `model`, or None where it does not apply. `onednn`: whether
     its GEMMs use oneDNN copies of the weights (`OneDnnWeights.for_model`)."""
     config = model.config
-    if batch_invariant or getattr(config, "model_type", None) != "qwen3_moe":
+    if batch_invariant or getattr(config, "model_type", None) not in QK_NORM:
         return None
     rope = getattr(config, "rope_parameters", None) or {}
-    if (rope.get("rope_type", "default") != "default" or config.attention_bias
-            or getattr(config, "sliding_window", None) is not None):
+    window = getattr(config, "sliding_window", None)
+    if (rope.get("rope_type", "default") not in STATIC_ROPE
+            or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+            or (window is not None and window < config.max_position_embeddings)
+            or getattr(config, "clip_qkv", None) is not None):
         return None
-    return Qwen3MoeDecoder(model, onednn=onednn)
+    return LeanDecoder(model, onednn=onednn)
 
 
-def decode(model: Any, decoder: Qwen3MoeDecoder | None, batch: PaddedKVBatch,
+def decode(model: Any, decoder: LeanDecoder | None, batch: PaddedKVBatch,
            tokens: list[int], recorder: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Feed each row its next token: (logits (B, V), routes (B, L, K) int16 or None). The
     batch's store holds the step's keys/values afterwards; the caller `advance`s it."""
@@ -95,17 +115,23 @@ class MixedStep:
     joined_kv: list[KV]  # per joining request, per layer (1, Hkv, c + n, D): its whole prompt
 
 
-class Qwen3MoeDecoder:
-    """The one-token forward of a transformers Qwen3-MoE causal LM (see module doc)."""
+class LeanDecoder:
+    """The one-token forward of a transformers causal LM of one of `QK_NORM`'s families (see
+    module doc)."""
 
     def __init__(self, model: Any, *, onednn: OneDnnMode = "auto") -> None:
         self.model = model
         config = model.config
         self.layers = list(model.model.layers)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        # the fewest rows whose (token, expert) pairs outnumber the experts: grouped GEMMs
-        self.grouped_from = config.num_experts // config.num_experts_per_tok + 1
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.qk_norm = QK_NORM[config.model_type]
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+        # the fewest rows whose (token, expert) pairs outnumber the experts: grouped GEMMs (a
+        # dense model: the rows from which a step is GEMMs rather than per-op overhead, as for
+        # the default MoE)
+        self.grouped_from = (experts // config.num_experts_per_tok if experts else 4) + 1
         self._compiled = self.forward  # `compile` replaces it
         self.onednn = OneDnnWeights.for_model(model, onednn)
         rotary = model.model.rotary_emb
@@ -235,9 +261,14 @@ class Qwen3MoeDecoder:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's query (T, Hq, D), key and value (T, Hkv, D), RoPE applied."""
         attn, t, d = layer.self_attn, x.shape[0], self.head_dim
-        q = _rope(attn.q_norm(self._project(attn.q_proj, x).view(t, self.heads, d)), cos, sin)
-        k = _rope(attn.k_norm(self._project(attn.k_proj, x).view(t, self.kv_heads, d)), cos, sin)
-        return q, k, self._project(attn.v_proj, x).view(t, self.kv_heads, d)
+        q, k = self._project(attn.q_proj, x), self._project(attn.k_proj, x)
+        if self.qk_norm == "projection":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
+        if self.qk_norm == "head":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return _rope(q, cos, sin), _rope(k, cos, sin), self._project(attn.v_proj, x).view(
+            t, self.kv_heads, d)
 
     def _decode_attention(self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
@@ -276,8 +307,9 @@ class Qwen3MoeDecoder:
         ((T, K); None for a dense layer)."""
         x = _norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
-        if not hasattr(mlp, "experts"):  # a dense layer (mlp_only_layers)
-            return h + mlp(x), None
+        if not hasattr(mlp, "experts"):  # a dense model, or a MoE's dense layer (mlp_only_layers)
+            gated = mlp.act_fn(self._project(mlp.gate_proj, x)) * self._project(mlp.up_proj, x)
+            return h + self._project(mlp.down_proj, gated), None
         weights, experts = _route(mlp.gate, x)  # (T, K) each
         return h + _experts(mlp.experts, x, weights, experts, self.onednn), experts
 
@@ -307,11 +339,12 @@ def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _route(router: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers top-k router's (weights, experts), both (B, K), with its math: softmax
-    over every expert in float32, top-k, renormalized if it does. Its module is not called, so
-    route-capture hooks (which the recorder fills per model call) stay out of a decode step."""
+    over every expert in float32, top-k, renormalized if it does (Mixtral's always does). Its
+    module is not called, so route-capture hooks (which the recorder fills per model call) stay
+    out of a decode step."""
     probs = torch.softmax(F.linear(x, router.weight), dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, router.top_k, dim=-1)
-    if router.norm_topk_prob:
+    if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
 
@@ -333,7 +366,7 @@ def _experts(experts: Any, x: torch.Tensor, weights: torch.Tensor, chosen: torch
     flat = chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)  # (B*K, H), pair order
     if rows * k <= gate_up.shape[0]:  # gathering the pairs' weights costs less than a GEMM
-        # (Qwen3MoeDecoder.grouped_from: the first row count past this)
+        # (LeanDecoder.grouped_from: the first row count past this)
         gate, up = torch.bmm(gate_up[flat], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(down[flat], (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
     elif onednn is not None:

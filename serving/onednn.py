@@ -24,7 +24,7 @@ class OneDnnWeights:
     to hundreds; on an Intel Xeon host, where MKL is at home, 0.7-1.1x (bench/onednn.py), so
     by default the engine measures which is faster before it uses them (`for_model`). A copy
     is made on first use and kept until `clear`, which whoever writes the model's weights
-    calls (`Qwen3MoeDecoder.weights_changed`); it costs the weights' size again in memory,
+    calls (`LeanDecoder.weights_changed`); it costs the weights' size again in memory,
     and ~0.2 s per GB to make."""
 
     # "auto" takes the copies when they run the probe this much faster: the hosts measured

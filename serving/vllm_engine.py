@@ -175,6 +175,7 @@ class VllmEngine:
             seed=settings.seed,
             max_num_seqs=settings.max_batch, enable_return_routed_experts=gpu,
             logprobs_mode="processed_logprobs", max_logprobs=20,
+            enforce_eager=settings.vllm_enforce_eager,
             worker_extension_cls=WORKER_EXTENSION, **memory)
         version = ModelVersion(version_number, sha256 or weights_sha256(model_dir))
         try:
@@ -323,6 +324,6 @@ def weights_sha256(model_dir: Path) -> str:
     """The checkpoint's sha256 as the trainer and the torch engine compute it: over the
     Hugging Face model's state dict (built here once, then dropped)."""
     from kernels.weights import state_dict_sha256
-    from serving.vllm_worker import hf_state_dict
+    from serving.vllm_worker import CheckpointLayout
 
-    return state_dict_sha256(hf_state_dict(model_dir))
+    return state_dict_sha256(CheckpointLayout(model_dir).state_dict)

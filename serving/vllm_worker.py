@@ -17,6 +17,13 @@ never GPU memory; built once, from the model directory vLLM loaded). A swap is t
    result into the parameters' existing storage), and return the mirror's sha256, computed
    here, which the engine compares with the release's.
 
+The tensors go to vLLM under the names and in the layout of the checkpoint it loaded, which
+need not be the model's: transformers 5 fuses a MoE's experts on load (one (E, 2I, H)
+`experts.gate_up_proj` from E per-expert `gate_proj`/`up_proj` in the file; Mixtral's from
+`block_sparse_moe.experts.N.w1`/`w3`), and vLLM's Mixtral loader knows only the file's names.
+`CheckpointLayout` applies transformers' own inverse of its load-time conversion, the one
+`save_pretrained` writes with.
+
 Nothing crosses the engine's IPC but the store's config, a version number and hashes. vLLM
 imports this module in its workers by qualified name; it must not import vLLM itself.
 """
@@ -33,15 +40,26 @@ from kernels.weights import state_dict_sha256
 from serving.hot_swap import Commit, Weights, prepare_commit
 
 
-def hf_state_dict(model_dir: Path) -> Weights:
-    """The trainer's view of a checkpoint: `model.state_dict()` of the Hugging Face model,
-    each tensor its own storage (tied weights as copies, as releases name them)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+class CheckpointLayout:
+    """The trainer's view of a checkpoint (`state_dict`: `model.state_dict()` of the Hugging
+    Face model, each tensor its own storage, tied weights as copies, as releases name them),
+    and the way back to the checkpoint's own names and layout (`to_checkpoint`)."""
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+        self.state_dict: Weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        # the structure and its load-time conversions are all `to_checkpoint` needs: no data
+        self._model = model.to_empty(device="meta")
+
+    def to_checkpoint(self, weights: Weights) -> Weights:
+        """`weights` (the model's names, whole fused tensors) under the checkpoint's names."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return dict(revert_weight_conversion(self._model, dict(weights)))
 
 
 def changed_names(store: ArtifactStore, steps: list[ChainStep], mirror: Weights) -> list[str]:
@@ -69,12 +87,14 @@ class FlywheelWorkerExtension:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
     _fw_mirror: Weights | None = None
+    _fw_layout: CheckpointLayout | None = None
     _fw_version: int = 0
     _fw_pending: tuple[int, Commit, list[str]] | None = None  # target, commit, names
 
     def flywheel_init(self, model_dir: str, version: int) -> str:
         """Build the mirror from the checkpoint vLLM loaded; returns its sha256."""
-        self._fw_mirror = hf_state_dict(Path(model_dir))
+        self._fw_layout = CheckpointLayout(Path(model_dir))
+        self._fw_mirror = self._fw_layout.state_dict
         self._fw_version = version
         self._fw_pending = None
         return state_dict_sha256(self._fw_mirror)
@@ -93,16 +113,16 @@ class FlywheelWorkerExtension:
 
     def flywheel_commit(self) -> dict[str, Any]:
         """Commit the prepared release into the mirror and load what changed into vLLM."""
-        if self._fw_pending is None or self._fw_mirror is None:
+        if self._fw_pending is None or self._fw_mirror is None or self._fw_layout is None:
             raise RuntimeError("flywheel_commit without a prepared release")
         target, commit, names = self._fw_pending
         self._fw_pending = None
         started = time.perf_counter()
         commit(self._fw_mirror)
         # vLLM's `Worker.reload_weights`, on the worker class this extends
+        changed = self._fw_layout.to_checkpoint({n: self._fw_mirror[n] for n in names})
         self.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=[(n, self._fw_mirror[n]) for n in names],
-            is_checkpoint_format=True)
+            weights_iterator=list(changed.items()), is_checkpoint_format=True)
         self._refresh_tied_head()
         if any(is_expert(n) for n in names):
             self._repack_cpu_experts()

@@ -58,3 +58,27 @@ def test_vllms_cpu_moe_layers_still_pack_experts_in_process_weights_after_loadin
     assert re.search(r"self\.moe_kernel\b", base)
     assert re.search(r"self\.fused_experts\b", kernel)
     assert "def process_weights_after_loading" in kernel
+
+
+def test_transformers_still_reverts_its_load_time_conversion_to_the_files_names(
+        tmp_path: Path) -> None:
+    """serving/vllm_worker.py hands vLLM a release's tensors under the checkpoint's own names
+    through `transformers.core_model_loading.revert_weight_conversion` (what `save_pretrained`
+    writes with; transformers 5 has no top-level export of it): a Mixtral's fused experts must
+    come back as the file's per-expert `block_sparse_moe.experts.N.w1/w2/w3`, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from serving.vllm_worker import CheckpointLayout
+    from trainer.config import TinyModelSettings
+    from trainer.init_model import init_model
+
+    model_dir = init_model(TinyModelSettings(family="mixtral", hidden_size=64, num_layers=1,
+                                             head_dim=16, moe_intermediate_size=32), tmp_path)
+    layout = CheckpointLayout(model_dir)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in layout.state_dict
+    on_file = load_file(model_dir / "model.safetensors")
+    reverted = layout.to_checkpoint(layout.state_dict)
+    assert set(reverted) - {"lm_head.weight"} <= set(on_file)
+    assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in reverted
+    assert all(torch.equal(reverted[n], on_file[n]) for n in on_file)

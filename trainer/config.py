@@ -37,11 +37,16 @@ class TinyModelSettings(BaseModel):
     seed: int = 0
 
     @classmethod
-    def large(cls) -> TinyModelSettings:
-        """The same family at ~124M parameters (~38M active per token), where compute rather
-        than per-op overhead sets the speed (`flywheel init-model --large`, bench/serving.py)."""
-        return cls(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64,
-                   moe_intermediate_size=1024)
+    def large(cls, family: ModelFamily = "qwen3_moe") -> TinyModelSettings:
+        """The family at ~100M parameters, where compute rather than per-op overhead sets the
+        speed (`flywheel init-model --large`, bench/serving.py): a MoE 768 wide in 6 layers of
+        8 experts (~124M, ~38M active per token), a dense family 768 wide in 12 layers with a
+        3072-wide MLP (~107M, GPT-2 small's shape)."""
+        if family in MOE_FAMILIES:
+            return cls(family=family, hidden_size=768, num_layers=6, num_heads=12,
+                       num_kv_heads=4, head_dim=64, moe_intermediate_size=1024)
+        return cls(family=family, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                   head_dim=64, moe_intermediate_size=1536)  # x experts_per_token (2): 3072
 
     @model_validator(mode="after")
     def _check_shapes(self) -> TinyModelSettings:

@@ -47,9 +47,9 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     from trainer.init_model import init_model
 
     settings = _settings(args)
-    shape = TinyModelSettings.large() if args.large else settings.model
-    if args.family:
-        shape = shape.model_copy(update={"family": args.family})
+    family = args.family or settings.model.family
+    shape = (TinyModelSettings.large(family).model_copy(update={"dtype": settings.model.dtype})
+             if args.large else settings.model.model_copy(update={"family": family}))
     out = init_model(shape, absolute(args.out) if args.out else settings.resolved_model_dir,
                      overwrite=args.overwrite)
     print(f"model ready in {out}")
@@ -61,7 +61,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     stop = stop_on_signals()
-    with running_stack(settings) as stack:
+    # no start-up deadline: loading and compiling a model of ~100M parameters or more can take
+    # minutes on a few cores (the API's thread is alive all the while; its log says what it does)
+    with running_stack(settings, start_timeout_s=None) as stack:
         if settings.admin_token_is_local:  # the path, never the token
             print(f"admin token: in {settings.data_dir / ADMIN_TOKEN_FILE} (or set "
                   "FLYWHEEL_ADMIN_TOKEN)", flush=True)
@@ -250,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_common(sub.add_parser("init-model", help="build the default model locally"))
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--large", action="store_true",
-                   help="the same family at ~124M parameters (a speed check where compute "
-                        "matters) instead of FLYWHEEL_MODEL__* (the tiny default)")
+                   help="the family at ~100M parameters (a speed check where compute matters: "
+                        "~124M for a MoE, ~107M dense) instead of FLYWHEEL_MODEL__*'s shape")
     p.add_argument("--family", choices=get_args(ModelFamily),
                    help="the Hugging Face family at that shape (default: FLYWHEEL_MODEL__FAMILY, "
                         "qwen3_moe)")

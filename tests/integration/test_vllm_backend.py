@@ -66,7 +66,8 @@ def require_vllm() -> None:
 def vllm_up(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Up]:
     require_vllm()
     data = tmp_path_factory.mktemp("vllm-up")
-    env = {"FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_RELEASE__SNAPSHOT_EVERY": "3",
+    env = {"FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_ENGINE__VLLM_ENFORCE_EAGER": "true",
+           "FLYWHEEL_RELEASE__SNAPSHOT_EVERY": "3",
            "FLYWHEEL_RELEASE__EVAL__KIND": "heldout_loss",
            "FLYWHEEL_RELEASE__EVAL__SEQUENCES": "2", "FLYWHEEL_RELEASE__EVAL__SEQ_LEN": "64"}
     settings = Settings(data_dir=data)
@@ -79,7 +80,8 @@ def test_a_host_where_vllm_cannot_start_gets_a_clear_error(tmp_path: Path,
                                                            model_dir: Path) -> None:
     require_vllm()
     env = {**os.environ, "FLYWHEEL_ENGINE__BACKEND": "vllm", "FLYWHEEL_MODEL_DIR": str(model_dir),
-           "FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB": "1000000"}  # a KV cache no host has
+           "FLYWHEEL_ENGINE__VLLM_CPU_KV_CACHE_GIB": "1000000",  # a KV cache no host has
+           "FLYWHEEL_ENGINE__VLLM_ENFORCE_EAGER": "true"}  # (sized after compiling, if any)
     env.pop("FLYWHEEL_KAFKA_BOOTSTRAP", None)
     proc = subprocess.run([sys.executable, "-m", "app.cli", "up", "--port", str(free_port()),
                            "--data-dir", str(tmp_path)], env=env, capture_output=True,

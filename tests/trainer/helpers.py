@@ -83,11 +83,15 @@ def judged_experience(prompt: list[int], completion: list[int], logprobs: list[f
 
 def make_checkpoint(model_dir: Path, out: Path, *, scale: float, seed: int,
                     base: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A 'trainer checkpoint': the weights plus small seeded noise, as safetensors."""
+    """A 'trainer checkpoint': the weights plus small seeded noise, as safetensors (the LM head
+    the embeddings again where the model ties them)."""
+    from transformers import AutoConfig
+
     weights = base if base is not None else load_model(model_dir).state_dict()
     gen = torch.Generator().manual_seed(seed)
     new = {n: (t + scale * torch.randn(t.shape, generator=gen)).to(t.dtype)
            for n, t in weights.items()}
-    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the model has them
+    if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]
     save_weights(new, out)
     return new
