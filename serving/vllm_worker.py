@@ -86,41 +86,42 @@ def is_expert(name: str) -> bool:
 class FlywheelWorkerExtension:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
-    _fw_mirror: Weights | None = None
-    _fw_layout: CheckpointLayout | None = None
+    _fw_layout: CheckpointLayout | None = None  # its state_dict: the mirror
     _fw_version: int = 0
     _fw_pending: tuple[int, Commit, list[str]] | None = None  # target, commit, names
 
     def flywheel_init(self, model_dir: str, version: int) -> str:
         """Build the mirror from the checkpoint vLLM loaded; returns its sha256."""
         self._fw_layout = CheckpointLayout(Path(model_dir))
-        self._fw_mirror = self._fw_layout.state_dict
         self._fw_version = version
         self._fw_pending = None
-        return state_dict_sha256(self._fw_mirror)
+        return state_dict_sha256(self._fw_layout.state_dict)
 
     def flywheel_prepare(self, store_config: dict[str, Any], target: int, sha256: str
                          ) -> dict[str, Any]:
         """Verify the way from the mirror's version to `target` without writing anything."""
-        if self._fw_mirror is None:
+        if self._fw_layout is None:
             raise RuntimeError("flywheel_init was not called in this worker")
+        mirror = self._fw_layout.state_dict
         store = build_artifact_store(artifact_store_adapter.validate_python(store_config))
         steps = plan_chain(self._fw_version, target, store.releases())
-        commit = prepare_commit(store, self._fw_mirror, steps, sha256)
-        names = changed_names(store, steps, self._fw_mirror)
+        commit = prepare_commit(store, mirror, steps, sha256)
+        names = changed_names(store, steps, mirror)
         self._fw_pending = (target, commit, names)
         return {"steps": len(steps)}
 
     def flywheel_commit(self) -> dict[str, Any]:
         """Commit the prepared release into the mirror and load what changed into vLLM."""
-        if self._fw_pending is None or self._fw_mirror is None or self._fw_layout is None:
+        layout = self._fw_layout
+        if self._fw_pending is None or layout is None:
             raise RuntimeError("flywheel_commit without a prepared release")
         target, commit, names = self._fw_pending
         self._fw_pending = None
         started = time.perf_counter()
-        commit(self._fw_mirror)
+        mirror = layout.state_dict
+        commit(mirror)
         # vLLM's `Worker.reload_weights`, on the worker class this extends
-        changed = self._fw_layout.to_checkpoint({n: self._fw_mirror[n] for n in names})
+        changed = layout.to_checkpoint({n: mirror[n] for n in names})
         self.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=list(changed.items()), is_checkpoint_format=True)
         self._refresh_tied_head()
@@ -128,7 +129,7 @@ class FlywheelWorkerExtension:
             self._repack_cpu_experts()
         copy_s = time.perf_counter() - started
         self._fw_version = target
-        return {"sha256": state_dict_sha256(self._fw_mirror), "copy_s": copy_s}
+        return {"sha256": state_dict_sha256(mirror), "copy_s": copy_s}
 
     def _refresh_tied_head(self) -> None:
         """vLLM re-processes each reloaded layer (on CPU: re-packs its GEMM weights) but not an
