@@ -146,3 +146,16 @@ def produce_experiences(kafka: KafkaConfig, model_dir: Path) -> list:
     producer.flush(timeout_s=30)
     producer.close()
     return experiences
+
+
+def logprobs_at(model_dir: Path, weights: dict[str, torch.Tensor], prompt: list[int],
+                tokens: list[int]) -> torch.Tensor:
+    """Each of `tokens`' logprobs after `prompt`, by the trainer's model at `weights`: what a
+    replica that sampled them with those weights should have reported."""
+    from trainer.release.weights import load_model
+
+    model = load_model(model_dir)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]

@@ -40,7 +40,14 @@ from tests.app.api.helpers import (
     wait_for_sessions,
 )
 from tests.conftest import flywheel_up
-from tests.integration.helpers import Load, release_candidate, replica_status, swapped_to, wait_for
+from tests.integration.helpers import (
+    Load,
+    logprobs_at,
+    release_candidate,
+    replica_status,
+    swapped_to,
+    wait_for,
+)
 from trainer.release.weights import load_model
 
 pytestmark = pytest.mark.integration
@@ -166,11 +173,7 @@ def test_after_a_swap_vllm_samples_with_the_release_weights(vllm_up: Up,
                                                   "temperature": 1.0, "seed": 3}).json()["id"]
     event = wait_for_sessions(vllm_up.kafka, {gen})[gen]
     assert event.model_version == version
-    model = load_model(model_dir)
-    model.load_state_dict(weights)
-    prompt, tokens = event.prompt_token_ids.tolist(), event.completion_token_ids.tolist()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    expected = logprobs_at(model_dir, weights, event.prompt_token_ids.tolist(),
+                           event.completion_token_ids.tolist())
     served = torch.from_numpy(event.logprobs.unpack().copy())
     assert float((expected - served).abs().max()) < 1e-5  # 5e-7 measured before any swap

@@ -26,7 +26,8 @@ from app.settings import Settings
 from ingest.config import KafkaConfig
 from kernels.weights import state_dict_sha256
 from serving.config import EngineSettings
-from serving.engine import GenerationRequest, GenerationResult, ModelVersion
+from serving.engine import GenerationRequest, ModelVersion
+from tests.integration.helpers import logprobs_at
 from tests.integration.test_vllm_backend import require_vllm
 from tests.trainer.helpers import make_checkpoint
 from trainer.config import TinyModelSettings
@@ -73,17 +74,6 @@ def loop() -> Iterator[LoopThread]:
     thread.stop()
 
 
-def logprobs_at(weights: dict[str, torch.Tensor], model_dir: Path,
-                result: GenerationResult) -> torch.Tensor:
-    """The sampled tokens' logprobs under `weights`, by the trainer's model."""
-    model = load_model(model_dir)
-    model.load_state_dict(weights)
-    tokens = list(result.token_ids)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1:]
-    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_served_hot_swapped_and_rolled_back(family: str, kafka: KafkaConfig, tmp_path: Path,
                                             loop: LoopThread) -> None:
@@ -103,7 +93,7 @@ def test_served_hot_swapped_and_rolled_back(family: str, kafka: KafkaConfig, tmp
     try:
         served = loop.run(engine.generate(request))
         assert served.version.number == 0
-        expected = logprobs_at(base, model_dir, served)
+        expected = logprobs_at(model_dir, base, PROMPT, served.token_ids)
         assert float((expected - torch.tensor(served.logprobs)).abs().max()) < 1e-4
         candidate = tmp_path / "candidate.safetensors"
         weights = make_checkpoint(model_dir, candidate, scale=1e-2, seed=1)
@@ -115,7 +105,7 @@ def test_served_hot_swapped_and_rolled_back(family: str, kafka: KafkaConfig, tmp
             assert record.live_sha256 == release.sha256 == state_dict_sha256(weights)
             swapped = loop.run(engine.generate(request))
             assert swapped.version.number == 1
-            expected = logprobs_at(weights, model_dir, swapped)
+            expected = logprobs_at(model_dir, weights, PROMPT, swapped.token_ids)
             assert float((expected - torch.tensor(swapped.logprobs)).abs().max()) < 1e-4
             back = rollback_release(ctx, 1, requested_by="test", reason="vllm family")
             record = engine.swap_to(store, ModelVersion(0, back.sha256))
