@@ -78,7 +78,8 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
         "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
         "max_steps": plan.grpo_steps,
-        "time_budget_s": None, "eval_every": plan.grpo_steps})  # held-out before and after
+        # validation scored before and after GRPO: the better becomes version 0
+        "time_budget_s": None, "eval_every": plan.grpo_steps})
     update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}
     if not settings.feedback_secrets:
         update["feedback_secrets"] = [SecretStr(secrets.token_hex(16))]

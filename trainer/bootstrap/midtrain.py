@@ -197,28 +197,31 @@ def corpus_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) 
 def rl_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> list[Task]:
     """GRPO's task pool: the train split, plus the practice tasks held back from mid-training
     (values the model has not memorized, so a reward needs the parameter copied from the
-    docstring)."""
+    docstring), less the validation tasks."""
+    validation = {t.task_id for t in validation_tasks(cfg, source)}
     return train + [t for t in source.practice_tasks()
-                    if held_back(t, cfg.grpo_practice_fraction)]
+                    if held_back(t, cfg.grpo_practice_fraction) and t.task_id not in validation]
 
 
-def unseen_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
-    """Practice tasks mid-training never shows (those held back for GRPO, or all of them when
-    the corpus has none), at most `eval_tasks`: what `midtrain_until` is checked on."""
+def validation_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
+    """Practice tasks that neither mid-training nor GRPO trains on (`validation_tasks` of those
+    held back for GRPO, or of all of them when the corpus has none): what `midtrain_until` is
+    checked on and the bootstrap keeps its best version by."""
     practice = source.practice_tasks()
     if cfg.midtrain_practice:
         practice = [t for t in practice if held_back(t, cfg.grpo_practice_fraction)]
-    return [t for t in practice if t.canonical_solution][:cfg.eval_tasks]
+    return [t for t in practice if t.canonical_solution][:cfg.validation_tasks]
 
 
 def quality_stop(cfg: BootstrapSettings, source: TaskSource) -> QualityStop | None:
     """The settings' early stop (`midtrain_until`), or None."""
     if cfg.midtrain_until is None:
         return None
-    tasks = unseen_tasks(cfg, source)
+    tasks = validation_tasks(cfg, source)
     if not tasks:
         raise ValueError("midtrain_until needs practice tasks that mid-training does not see: "
-                         "set grpo_practice_fraction above 0 or midtrain_practice false")
+                         "set validation_tasks and grpo_practice_fraction above 0 (or "
+                         "midtrain_practice false)")
     return QualityStop(tasks, cfg.midtrain_until, cfg.midtrain_check_temperature,
                        cfg.midtrain_check_every)
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -164,6 +165,17 @@ def append_metrics(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+@dataclass(frozen=True)
+class KeptVersion:
+    """A policy version the bootstrap may end on: the GRPO step that made it, its validation
+    pass@1, and its whole weights in the served dtype (a copy on the CPU)."""
+
+    step: int
+    version: int
+    score: float
+    weights: dict[str, torch.Tensor] = field(repr=False)
+
+
 @dataclass
 class GrpoRun:
     steps: int = 0
@@ -173,14 +185,19 @@ class GrpoRun:
     trainer_idle: float = 0.0  # share of the wall time the trainer waited for groups
     fleet: dict[str, Any] = field(default_factory=dict)  # the job ledger and bytes shipped
     history: list[dict[str, float]] = field(default_factory=list)
-    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out pass@1)
-    last_eval: list[TaskOutcome] = field(default_factory=list)  # per task, at evals[-1]
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, validation pass@1)
+    keep_best: bool = False
+    best: KeptVersion | None = None  # with keep_best: the best-scoring version so far
 
-    def add_eval(self, outcomes: list[TaskOutcome]) -> float:
-        """Record a held-out evaluation at the current step; returns its pass@1."""
-        self.last_eval = outcomes
-        self.evals.append((self.steps, pass_rate(outcomes)))
-        return self.evals[-1][1]
+    def add_eval(self, outcomes: list[TaskOutcome], version: int,
+                 weights: dict[str, torch.Tensor]) -> float:
+        """Record a validation evaluation of `weights` (policy version `version`) at the
+        current step; returns its pass@1."""
+        score = pass_rate(outcomes)
+        self.evals.append((self.steps, score))
+        if self.keep_best and (self.best is None or score >= self.best.score):
+            self.best = KeptVersion(self.steps, version, score, weights)
+        return score
 
     @property
     def samples_per_s(self) -> float:
@@ -195,15 +212,17 @@ class GrpoRun:
         return sum(rewards) / max(1, len(rewards))
 
 
-def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out: list[Task],
-             *, cache: SandboxCache, metrics_path: Path | None = None,
+def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task],
+             validation: list[Task], *, cache: SandboxCache, metrics_path: Path | None = None,
              eval_engine: TorchEngine | None = None, progress: bool = True,
              trackers: Trackers | None = None, kafka: KafkaConfig | None = None,
              work_dir: Path | None = None, batch_invariant: bool = False,
              local: LocalFleet | None = None) -> GrpoRun:
-    """GRPO on the rollout fleet until `max_steps` (or `time_budget_s`); evaluates every
-    `eval_every`. On `local` (default: `open_local_fleet` over `kafka` and `work_dir` for
-    this call), with its worker processes plus any `flywheel rollout-worker` that joins."""
+    """GRPO on the rollout fleet until `max_steps` (or `time_budget_s`). With an `eval_engine`,
+    scores `validation` at the start and every `eval_every` steps, and keeps the best-scoring
+    version in the run if `keep_best`. On `local` (default: `open_local_fleet` over `kafka`
+    and `work_dir` for this call), with its worker processes plus any `flywheel rollout-worker`
+    that joins."""
     with contextlib.ExitStack() as stack:
         if local is None:
             local = stack.enter_context(open_local_fleet(
@@ -216,9 +235,9 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
         fleet = RolloutFleet(kafka, cfg, TaskSampler(train, floor=cfg.solved_task_weight),
                              publisher, first_step=policy.version, steps=cfg.max_steps,
                              health=local.workers.check)
-        run = GrpoRun()
+        run = GrpoRun(keep_best=cfg.keep_best)
         try:
-            _train(policy, cfg, fleet, run, held_out, cache=cache, metrics_path=metrics_path,
+            _train(policy, cfg, fleet, run, validation, cache=cache, metrics_path=metrics_path,
                    eval_engine=eval_engine, progress=progress, trackers=trackers)
         finally:
             run.fleet = fleet.close(work_dir / "jobs.jsonl") | {
@@ -228,11 +247,21 @@ def run_grpo(policy: Policy, cfg: BootstrapSettings, train: list[Task], held_out
 
 
 def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: GrpoRun,
-           held_out: list[Task], *, cache: SandboxCache, metrics_path: Path | None,
+           validation: list[Task], *, cache: SandboxCache, metrics_path: Path | None,
            eval_engine: TorchEngine | None, progress: bool, trackers: Trackers | None) -> None:
     from tqdm import tqdm
 
     trainer = OfflineTrainer.from_settings(policy, cfg)
+    scoring = eval_engine is not None and bool(validation)
+
+    def score(weights: dict[str, torch.Tensor]) -> float:
+        assert eval_engine is not None
+        load_weights(eval_engine, policy.version, weights)
+        return run.add_eval(evaluate(eval_engine, cfg, validation, cache), policy.version,
+                            weights)
+
+    if scoring:  # the start (mid-trained) is a candidate too; outside GRPO's time budget
+        score(trainer.state_dict())
     start = time.monotonic()
     budget = cfg.time_budget_s
     # the run ends at max_steps, or at its time budget where it has one: the bar counts that
@@ -257,10 +286,8 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
             run.tokens += sum(int(t.loss_mask.unpack().sum()) for g in groups
                               for t in g.trajectories)
             record = {"step": run.steps, "wall_s": time.monotonic() - start, "lr": lr} | metrics
-            if eval_engine is not None and run.steps % cfg.eval_every == 0:
-                load_weights(eval_engine, policy.version, state)
-                record["held_out_pass_at_1"] = run.add_eval(
-                    evaluate(eval_engine, cfg, held_out, cache))
+            if scoring and run.steps % cfg.eval_every == 0:
+                record["validation_pass_at_1"] = score(state)
             run.history.append(record)
             if metrics_path is not None:
                 append_metrics(metrics_path, record)
@@ -270,6 +297,8 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
                        - bar.n)
             bar.set_postfix(step=run.steps, reward=f"{metrics['reward']:.2f}",
                             solved=f"{metrics['solved']:.2f}", refresh=False)
+        if scoring and run.evals[-1][0] != run.steps:  # the last version is a candidate too
+            score(trainer.state_dict())
     finally:
         run.wall_s = time.monotonic() - start
         run.trainer_idle = fleet.idle_s / max(1e-9, run.wall_s)
@@ -293,7 +322,22 @@ def write_outcomes(path: Path, before: list[TaskOutcome],
     return changes
 
 
-def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
+def save_version(policy: Policy, kept: KeptVersion, out_dir: Path) -> Path:
+    """The kept version's weights and the tokenizer as a Hugging Face model directory (the
+    policy's own save when it is the current version)."""
+    if kept.version == policy.version:
+        return policy.save(out_dir)
+    model = policy.unsharded_model()  # the model's shape in the served dtype, on the leader
+    model.load_state_dict(kept.weights)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    policy.tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def plot_run(run: GrpoRun, held_out: tuple[float, float, int], path: Path) -> Path:
+    """Rollout reward and solved rate per step, validation pass@1 at each evaluation, and
+    held-out pass@1 (before, after, kept step) at the start and at the kept version."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,8 +347,10 @@ def plot_run(run: GrpoRun, before: float, path: Path) -> Path:
     steps = [h["step"] for h in run.history]
     ax.plot(steps, [h["reward"] for h in run.history], label="rollout reward", alpha=0.6)
     ax.plot(steps, [h["solved"] for h in run.history], label="rollouts solved", alpha=0.6)
-    ax.plot([0, *[s for s, _ in run.evals]], [before, *[p for _, p in run.evals]], "o-",
-            label="held-out pass@1")
+    ax.plot([s for s, _ in run.evals], [p for _, p in run.evals], "o-",
+            label="validation pass@1")
+    before, after, kept_step = held_out
+    ax.plot([0, kept_step], [before, after], "s", markersize=8, label="held-out pass@1")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(-0.02, 1.02)
     ax.legend()
@@ -345,7 +391,13 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                progress: bool, trackers: TrackerSettings) -> dict[str, Any]:
     from simulate.sandbox_service import sandbox_runner
     from simulate.tasks import build_task_source
-    from trainer.bootstrap.midtrain import corpus_tasks, midtrain_on, quality_stop, rl_tasks
+    from trainer.bootstrap.midtrain import (
+        corpus_tasks,
+        midtrain_on,
+        quality_stop,
+        rl_tasks,
+        validation_tasks,
+    )
 
     start = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -362,20 +414,24 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
         start_eval = evaluate(eval_engine, cfg, held_out, cache)
         before = pass_rate(start_eval)
         midtrain_s = time.monotonic() - start
-        run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), held_out, cache=cache,
-                       eval_engine=eval_engine, local=local,
+        run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), validation_tasks(cfg, source),
+                       cache=cache, eval_engine=eval_engine, local=local,
                        metrics_path=run_dir / "metrics.jsonl", progress=progress,
                        trackers=tracked)
-        if not run.evals or run.evals[-1][0] != run.steps:
-            load_weights(eval_engine, policy.version, policy.state_dict())
-            run.add_eval(evaluate(eval_engine, cfg, held_out, cache))
-        after = run.evals[-1][1]
+        last = policy.state_dict()
+        kept = run.best or KeptVersion(run.steps, policy.version, math.nan, last)
+        load_weights(eval_engine, kept.version, kept.weights)
+        end_eval = evaluate(eval_engine, cfg, held_out, cache)
+        after = last_after = pass_rate(end_eval)
+        if kept.version != policy.version:  # what the last version scores: reported, not used
+            load_weights(eval_engine, policy.version, last)
+            last_after = pass_rate(evaluate(eval_engine, cfg, held_out, cache))
     finally:
         tracked.close()
         eval_engine.close()
-    policy.save(run_dir / "model")
-    plot_run(run, before, run_dir / "reward.png")
-    changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, run.last_eval)
+    save_version(policy, kept, run_dir / "model")
+    plot_run(run, (before, after, kept.step), run_dir / "reward.png")
+    changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, end_eval)
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
                "cheating_flagged": flagged, "wall_s": round(time.monotonic() - start, 1)}
@@ -384,7 +440,10 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                          "midtrain_and_eval_s": midtrain_s,
                          "samples": run.samples, "samples_per_s": run.samples_per_s,
                          "trainer_idle": run.trainer_idle, "fleet": run.fleet,
-                         "evals": run.evals, "held_out_tasks": min(len(held_out), cfg.eval_tasks),
+                         "validation_evals": run.evals, "kept_step": kept.step,
+                         "kept_validation_pass_at_1": run.best and run.best.score,
+                         "last_step_pass_at_1": last_after,
+                         "held_out_tasks": min(len(held_out), cfg.eval_tasks),
                          "held_out_changes": changes,
                          "sandbox_cache_hits": cache.hits, "sandbox_runs": cache.misses,
                          "settings": json.loads(cfg.model_dump_json())}

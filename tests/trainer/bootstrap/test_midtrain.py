@@ -51,18 +51,21 @@ def test_transcript_trains_assistant_turns_only(model_dir: Path) -> None:
 def test_practice_tasks_split_between_mid_training_and_grpo() -> None:
     from simulate.tasks import BuiltinTasksConfig, build_task_source
     from trainer.bootstrap.config import BootstrapSettings
-    from trainer.bootstrap.midtrain import corpus_tasks, rl_tasks
+    from trainer.bootstrap.midtrain import corpus_tasks, rl_tasks, validation_tasks
 
     source = build_task_source(BuiltinTasksConfig())
     train, practice = source.split("train"), source.practice_tasks()
     held_out = {t.task_id for t in source.split("held_out") + source.split("product")}
     cfg = BootstrapSettings(grpo_practice_fraction=0.25)
     corpus, pool = corpus_tasks(cfg, source, train), rl_tasks(cfg, source, train)
+    validation = {t.task_id for t in validation_tasks(cfg, source)}
     reserved = {t.task_id for t in pool} - {t.task_id for t in train}
     assert not reserved & {t.task_id for t in corpus}  # GRPO's practice is unseen
-    assert len(corpus) + len(pool) == 2 * len(train) + len(practice)
-    assert 0.15 < len(reserved) / len(practice) < 0.35
-    assert not ({t.task_id for t in corpus} | reserved) & held_out
+    assert len(validation) == cfg.validation_tasks  # ...and the validation tasks are neither's
+    assert not validation & ({t.task_id for t in corpus} | reserved)
+    assert len(corpus) + len(pool) + len(validation) == 2 * len(train) + len(practice)
+    assert 0.15 < (len(reserved) + len(validation)) / len(practice) < 0.35
+    assert not ({t.task_id for t in corpus} | reserved | validation) & held_out
     assert rl_tasks(BootstrapSettings(grpo_practice_fraction=0.0), source, train) == train
     assert corpus_tasks(BootstrapSettings(midtrain_practice=False), source, train) == train
 

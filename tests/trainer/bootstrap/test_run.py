@@ -31,7 +31,7 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert summary["steps"] == 2 and 0.0 <= summary["pass_at_1_after"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and "held_out_pass_at_1" in rows[-1]
+    assert [r["step"] for r in rows] == [1, 2] and "validation_pass_at_1" in rows[-1]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"))  # trackers' default
@@ -40,6 +40,11 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
         [r["reward"] for r in rows])
     details = json.loads((run_dir / "summary.json").read_text())
     assert details["steps"] == 2 and (run_dir / "model" / "config.json").exists()
+    # scored at the start and at both steps; the best (the latest on a tie) is the one kept
+    scores = [score for _, score in details["validation_evals"]]
+    assert [step for step, _ in details["validation_evals"]] == [0, 1, 2]
+    assert details["kept_validation_pass_at_1"] == max(scores)
+    assert details["kept_step"] == max(i for i, s in enumerate(scores) if s == max(scores))
     held_out = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
     assert len(held_out) == 3 and all(r["task_id"].startswith("builtin/") for r in held_out)
     assert all("def " in r["solution_before"] and "def " in r["solution_after"] for r in held_out)
@@ -109,3 +114,43 @@ def test_behavior_anchor_needs_an_is_cap_above_one() -> None:
     with pytest.raises(ValueError, match="is_cap must be > 1 with clip_anchor 'behavior'"):
         BootstrapSettings(is_cap=1.0)
     assert BootstrapSettings(is_cap=1.0, clip_anchor="trainer").is_cap == 1.0
+
+
+def test_the_kept_version_is_what_the_bootstrap_saves(model_dir: Path, tmp_path: Path) -> None:
+    """A run keeps its best-scoring version (the latest on a tie, none unless asked) and
+    `save_version` writes that version, not the policy's current weights."""
+    from transformers import AutoModelForCausalLM
+
+    from simulate.rollouts import TaskOutcome
+    from trainer.bootstrap.run import GrpoRun, KeptVersion, save_version
+    from trainer.policy import Policy
+
+    def outcomes(passed: int) -> list[TaskOutcome]:
+        return [TaskOutcome(f"t{i}", i < passed, "") for i in range(4)]
+
+    policy = Policy.load(model_dir, lr=1e-2)
+    start = policy.state_dict()
+    run = GrpoRun(keep_best=True)
+    assert run.add_eval(outcomes(2), policy.version, start) == 0.5
+    batch = policy.batch([[5, 9, 14, 22, 31, 40]], [[0, 0, 1, 1, 1, 1]])
+    (-(policy.token_logprobs(batch) * batch.loss_mask).sum()).backward()
+    policy.optimizer_step()
+    run.steps = 1
+    run.add_eval(outcomes(1), policy.version, policy.state_dict())  # worse: the start stays
+    assert run.best is not None and (run.best.step, run.best.version) == (0, 0)
+    assert GrpoRun().add_eval(outcomes(4), 0, start) == 1.0 and GrpoRun().best is None
+
+    def saved(kept: KeptVersion, name: str) -> dict[str, torch.Tensor]:
+        out = save_version(policy, kept, tmp_path / name)
+        return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+
+    kept = saved(run.best, "kept")
+    assert set(kept) == set(start) and all(torch.equal(kept[n], start[n]) for n in kept)
+    now = policy.state_dict()
+    assert any(not torch.equal(kept[n], now[n]) for n in kept)
+
+    run.steps = 2
+    run.add_eval(outcomes(2), policy.version, now)  # a tie: the latest is kept
+    assert run.best is not None and run.best.version == policy.version == 1
+    current = saved(run.best, "last")
+    assert all(torch.equal(current[n], now[n]) for n in now)
