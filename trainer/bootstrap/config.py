@@ -81,10 +81,10 @@ class BootstrapSettings(BaseModel):
     # first, so on a slower machine it makes fewer steps. None: max_steps alone, the same
     # training on any machine (the demo's bootstrap)
     time_budget_s: float | None = Field(default=360.0, gt=0)
-    # GRPO's own yardstick: this many of the practice tasks held back from mid-training are
-    # held back from GRPO too (mid-training's `midtrain_until` is checked on them). They are
-    # scored (one greedy episode each) at the start and every `eval_every` steps; the held-out
-    # split is scored only before and at the end, so nothing chooses by it. 0: none
+    # GRPO's own yardstick: this many of the practice tasks held back from mid-training (drawn
+    # across templates) are held back from GRPO too. They are scored (one greedy episode each)
+    # at the start, every `eval_every` steps and at the last; the held-out split is scored only
+    # before GRPO and on the kept version, so nothing chooses by it. 0: none
     validation_tasks: int = Field(default=64, ge=0)
     # end on the version that scored best on the validation tasks (the latest on a tie), the
     # mid-trained start included: GRPO's score swings by ±10 points within a run on the

@@ -12,6 +12,7 @@ parameter values right.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -203,25 +204,32 @@ def rl_tasks(cfg: BootstrapSettings, source: TaskSource, train: list[Task]) -> l
                     if held_back(t, cfg.grpo_practice_fraction) and t.task_id not in validation]
 
 
-def validation_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
-    """Practice tasks that neither mid-training nor GRPO trains on (`validation_tasks` of those
-    held back for GRPO, or of all of them when the corpus has none): what `midtrain_until` is
-    checked on and the bootstrap keeps its best version by."""
+def unseen_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
+    """Practice tasks mid-training never shows (those held back for GRPO, or all of them when
+    the corpus has none), with a solution: in the source's order."""
     practice = source.practice_tasks()
     if cfg.midtrain_practice:
         practice = [t for t in practice if held_back(t, cfg.grpo_practice_fraction)]
-    return [t for t in practice if t.canonical_solution][:cfg.validation_tasks]
+    return [t for t in practice if t.canonical_solution]
+
+
+def validation_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
+    """`validation_tasks` of the unseen tasks, drawn by a hash of their ids so that every
+    template has its share (the source lists them template by template): what neither
+    mid-training nor GRPO trains on, and the bootstrap keeps its best version by."""
+    unseen = unseen_tasks(cfg, source)
+    unseen.sort(key=lambda t: hashlib.sha256(f"{t.task_id}#validation".encode()).digest())
+    return unseen[:cfg.validation_tasks]
 
 
 def quality_stop(cfg: BootstrapSettings, source: TaskSource) -> QualityStop | None:
     """The settings' early stop (`midtrain_until`), or None."""
     if cfg.midtrain_until is None:
         return None
-    tasks = validation_tasks(cfg, source)
+    tasks = unseen_tasks(cfg, source)[:cfg.eval_tasks]
     if not tasks:
         raise ValueError("midtrain_until needs practice tasks that mid-training does not see: "
-                         "set validation_tasks and grpo_practice_fraction above 0 (or "
-                         "midtrain_practice false)")
+                         "set grpo_practice_fraction above 0 or midtrain_practice false")
     return QualityStop(tasks, cfg.midtrain_until, cfg.midtrain_check_temperature,
                        cfg.midtrain_check_every)
 
