@@ -92,7 +92,7 @@ class BootstrapSettings(BaseModel):
     keep_best: bool = True
     eval_every: int = Field(default=10, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)  # 0: greedy pass@1
-    eval_tasks: int = Field(default=64, ge=1)  # held-out tasks scored, at most
+    eval_tasks: int = Field(default=64, ge=1)  # held-out (and validation) tasks scored, at most
     # worker processes the bootstrap starts on this host (simulate/rollout_worker.py); 0: only the
     # `flywheel rollout-worker`s that join from elsewhere. Two even on 2 cores: one worker's
     # sandbox and Python turns leave its engine idle, which the other's fills
