@@ -86,7 +86,7 @@ class BootstrapSettings(BaseModel):
     # at the start, every `eval_every` steps and at the last; the held-out split is scored only
     # before GRPO and on the kept version, so nothing chooses by it. 0: none
     validation_tasks: int = Field(default=64, ge=0)
-    # end on the version that scored best on the validation tasks (the latest on a tie), the
+    # end on the version that scored best on the validation tasks (the earliest on a tie), the
     # mid-trained start included: GRPO's score swings by ±10 points within a run on the
     # default model (docs/bootstrap.md). False: the last version
     keep_best: bool = True

@@ -195,7 +195,9 @@ class GrpoRun:
         current step; returns its pass@1."""
         score = pass_rate(outcomes)
         self.evals.append((self.steps, score))
-        if self.keep_best and (self.best is None or score >= self.best.score):
+        # a later version must score strictly higher: a tie carries no evidence, and the
+        # earlier version has drifted less from a start GRPO tends to erode
+        if self.keep_best and (self.best is None or score > self.best.score):
             self.best = KeptVersion(self.steps, version, score, weights)
         return score
 

@@ -44,7 +44,7 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     scores = [score for _, score in details["validation_evals"]]
     assert [step for step, _ in details["validation_evals"]] == [0, 1, 2]
     assert details["kept_validation_pass_at_1"] == max(scores)
-    assert details["kept_step"] == max(i for i, s in enumerate(scores) if s == max(scores))
+    assert details["kept_step"] == scores.index(max(scores))  # the first of the best
     held_out = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
     assert len(held_out) == 3 and all(r["task_id"].startswith("builtin/") for r in held_out)
     assert all("def " in r["solution_before"] and "def " in r["solution_after"] for r in held_out)
@@ -117,7 +117,7 @@ def test_behavior_anchor_needs_an_is_cap_above_one() -> None:
 
 
 def test_the_kept_version_is_what_the_bootstrap_saves(model_dir: Path, tmp_path: Path) -> None:
-    """A run keeps its best-scoring version (the latest on a tie, none unless asked) and
+    """A run keeps its best-scoring version (the earliest on a tie, none unless asked) and
     `save_version` writes that version, not the policy's current weights."""
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +150,10 @@ def test_the_kept_version_is_what_the_bootstrap_saves(model_dir: Path, tmp_path:
     assert any(not torch.equal(kept[n], now[n]) for n in kept)
 
     run.steps = 2
-    run.add_eval(outcomes(2), policy.version, now)  # a tie: the latest is kept
+    run.add_eval(outcomes(2), policy.version, now)  # a tie: the earlier stays
+    assert run.best is not None and run.best.version == 0
+    run.steps = 3
+    run.add_eval(outcomes(3), policy.version, now)  # better: kept
     assert run.best is not None and run.best.version == policy.version == 1
     current = saved(run.best, "last")
     assert all(torch.equal(current[n], now[n]) for n in now)
