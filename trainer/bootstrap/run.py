@@ -37,6 +37,13 @@ from simulate.rollouts import (
     unpack_segments,
 )
 from simulate.tasks import Task
+from trainer.bootstrap.artifacts import (
+    KeptVersion,
+    append_metrics,
+    plot_run,
+    save_version,
+    write_outcomes,
+)
 from trainer.bootstrap.config import BootstrapSettings, ClipAnchor
 from trainer.bootstrap.fleet import LocalFleet, RolloutFleet, open_local_fleet
 from trainer.bootstrap.local_engine import build_harness, load_weights, make_engine
@@ -158,22 +165,6 @@ def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, sa
     finally:
         engine.close()
     return sum(rewards) / max(1, len(rewards))
-
-
-def append_metrics(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-@dataclass(frozen=True)
-class KeptVersion:
-    """A policy version the bootstrap may end on: the GRPO step that made it, its validation
-    pass@1, and its whole weights in the served dtype (a copy on the CPU)."""
-
-    step: int
-    version: int
-    score: float
-    weights: dict[str, torch.Tensor] = field(repr=False)
 
 
 @dataclass
@@ -308,61 +299,6 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
         trainer.close()
 
 
-def write_outcomes(path: Path, before: list[TaskOutcome],
-                   after: list[TaskOutcome]) -> dict[str, int]:
-    """Each held-out task's greedy outcome and final solution at the mid-trained start and at
-    the end, one JSON line per task; returns how many GRPO fixed, broke, or left failing."""
-    changes = {"fixed": 0, "broken": 0, "still_failing": 0}
-    with path.open("w") as f:
-        for b, a in zip(before, after, strict=True):
-            changes["fixed"] += a.passed and not b.passed
-            changes["broken"] += b.passed and not a.passed
-            changes["still_failing"] += not (a.passed or b.passed)
-            f.write(json.dumps({"task_id": a.task_id, "passed_before": b.passed,
-                                "passed_after": a.passed, "solution_before": b.solution,
-                                "solution_after": a.solution}) + "\n")
-    return changes
-
-
-def save_version(policy: Policy, kept: KeptVersion, out_dir: Path) -> Path:
-    """The kept version's weights and the tokenizer as a Hugging Face model directory (the
-    policy's own save when it is the current version)."""
-    if kept.version == policy.version:
-        return policy.save(out_dir)
-    model = policy.unsharded_model()  # the model's shape in the served dtype, on the leader
-    model.load_state_dict(kept.weights)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    policy.tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
-def plot_run(run: GrpoRun, held_out: tuple[float, float, int], path: Path) -> Path:
-    """Rollout reward and solved rate per step, validation pass@1 at each evaluation, and
-    held-out pass@1 (before, after, kept step) at the start and at the kept version."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [h["step"] for h in run.history]
-    ax.plot(steps, [h["reward"] for h in run.history], label="rollout reward", alpha=0.6)
-    ax.plot(steps, [h["solved"] for h in run.history], label="rollouts solved", alpha=0.6)
-    ax.plot([s for s, _ in run.evals], [p for _, p in run.evals], "o-",
-            label="validation pass@1")
-    before, after, kept_step = held_out
-    ax.plot([0, kept_step], [before, after], "s", markersize=8, label="held-out pass@1")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
-    ax.set_title("flywheel bootstrap")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                   progress: bool = True, batch_invariant: bool = False,
                   world: World | None = None, trackers: TrackerSettings | None = None,
@@ -432,7 +368,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
         tracked.close()
         eval_engine.close()
     save_version(policy, kept, run_dir / "model")
-    plot_run(run, (before, after, kept.step), run_dir / "reward.png")
+    plot_run(run.history, run.evals, (before, after, kept.step), run_dir / "reward.png")
     changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, end_eval)
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,

@@ -122,7 +122,8 @@ def test_the_kept_version_is_what_the_bootstrap_saves(model_dir: Path, tmp_path:
     from transformers import AutoModelForCausalLM
 
     from simulate.rollouts import TaskOutcome
-    from trainer.bootstrap.run import GrpoRun, KeptVersion, save_version
+    from trainer.bootstrap.artifacts import KeptVersion, save_version
+    from trainer.bootstrap.run import GrpoRun
     from trainer.policy import Policy
 
     def outcomes(passed: int) -> list[TaskOutcome]:
