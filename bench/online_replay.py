@@ -88,8 +88,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     settings = demo_settings(Settings(), DemoPlan())
-    cfg = settings.online.model_copy(update={**json.loads(args.set),
-                                             "min_batch": args.batch, "max_batch": args.batch})
+    cfg = type(settings.online).model_validate({  # --set may hold nested settings (anchor)
+        **settings.online.model_dump(), **json.loads(args.set),
+        "min_batch": args.batch, "max_batch": args.batch})
     model_dir = args.data_dir / "bootstrap" / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     suite = build_eval_suite(settings.release.eval, tasks=settings.bootstrap.tasks,
@@ -120,8 +121,10 @@ def main() -> None:
             metrics = trainer.step(batch)
             if step % args.eval_every == 0 or step == args.steps:
                 figures[str(seed)][step] = held_out(trainer)
+                anchored = (f", anchor kl {metrics['anchor_kl']:.4f}" if "anchor_kl" in metrics
+                            else "")
                 print(f"seed {seed} step {step}: held-out {figures[str(seed)][step]}% "
-                      f"(kl {metrics['kl']:.4f})", flush=True)
+                      f"(kl {metrics['kl']:.4f}{anchored})", flush=True)
     print(json.dumps({"bench": "online_replay", "settings": json.loads(args.set),
                       "steps": args.steps, "batch": args.batch, "version0_held_out": version0,
                       "held_out_by_seed": figures}))

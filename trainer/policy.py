@@ -78,6 +78,20 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
                       share_prefix: bool = True) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) at every position t that some row of the batch
     trains (`loss_mask`); 0 elsewhere, position 0 included. Returns (B, T).
+    `next_token_logprobs` has how, and the arguments."""
+    logprobs, keep = next_token_logprobs(model, batch, temperature=temperature,
+                                         share_prefix=share_prefix)
+    picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
+    out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
+    return out.index_copy(1, keep + 1, picked)
+
+
+def next_token_logprobs(model: Any, batch: TokenBatch, *,
+                        temperature: float | torch.Tensor = 1.0,
+                        share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole next-token distribution, log-softmaxed, at every position whose next token
+    some row of the batch trains: ((B, K, V) float32 logprobs, (K,) positions `keep`), row b's
+    distribution at `keep[k]` being that of `tokens[b, keep[k] + 1]`.
 
     The model's head and softmax run at those positions only (`logits_to_keep`): most of a row
     is prompt, tool output or padding, and the head over a vocabulary is the largest matmul of a
@@ -109,10 +123,7 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
         logits = logits / temps[:, None, None]
     elif temperature > 0:
         logits = logits / temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
-    picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
-    out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
-    return out.index_copy(1, keep + 1, picked)
+    return torch.log_softmax(logits, dim=-1), keep
 
 
 def _fsdp_sharded(model: Any) -> bool:

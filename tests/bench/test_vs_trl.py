@@ -11,10 +11,10 @@ from types import ModuleType
 import pytest
 
 from app.settings import Settings
+from simulate.demonstrations import demonstration_call
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache
 from simulate.tasks import BuiltinTasksConfig, Task, build_task_source
 from simulate.tools import ToolCall, render_call
-from trainer.bootstrap.midtrain import demonstration_call
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "vs_trl.py"
 

@@ -30,7 +30,7 @@ from tests.trainer.helpers import make_experiences
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.bootstrap.run import OfflineTrainer
 from trainer.distributed import World, join_world, launch, leave_world
-from trainer.online.config import OnlineTrainerSettings
+from trainer.online.config import FormatAnchorSettings, OnlineTrainerSettings
 from trainer.online.trainer import OnlineTrainer
 from trainer.policy import NextTokenLoss, Policy, Rows
 from trainer.release.weights import base_weights, load_candidate
@@ -39,9 +39,14 @@ SIZES = (8, 7, 1)
 EPS = 1e-4
 
 
+# the format anchor on: every rank computes it on the same episodes, and FSDP's mean of the
+# ranks' gradients must be its gradient (confidence ~0 holds every position of the tiny model)
+ANCHOR = FormatAnchorSettings(coef=1.0, rows=2, confidence=1e-6)
+
+
 def _cfg(**kw: object) -> OnlineTrainerSettings:
     return OnlineTrainerSettings(lr=1e-3, deterministic=True, kl_coef=0.05, adam_eps=EPS,
-                                 **kw)  # type: ignore[arg-type]
+                                 anchor=ANCHOR, **kw)  # type: ignore[arg-type]
 
 
 def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str,

@@ -2,9 +2,7 @@
 
 Each train task (and each practice task of the source: the built-in templates filled with
 values no task uses, so that the model learns to copy a parameter rather than recall it)
-becomes the episode a good agent would have: system prompt, the task, an
-`apply_edit` of the stub's `pass` into the canonical body (a `write_file` of the whole program
-for tasks without a stub), `run_tests` and its observation, `finish`. The
+becomes the episode a good agent would have (`simulate/demonstrations.py`). The
 loss covers the assistant turns only (the tokens the policy will later be asked to produce), so
 the tiny model learns the tool format and some solutions; RL then has to get the held-out
 parameter values right.
@@ -15,16 +13,13 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from simulate.demonstrations import first_call, transcript
 from simulate.harness import ChatTokens
-from simulate.rollouts import SYSTEM_PROMPT
-from simulate.tasks import STUB_BODY, Task, split_of
-from simulate.tools import SOLUTION_FILE, TOOLS, ToolCall, ToolWorkspace, render_call
+from simulate.tasks import Task, split_of
 from trainer.policy import NextTokenLoss, Policy, Rows
 
 if TYPE_CHECKING:
@@ -32,47 +27,6 @@ if TYPE_CHECKING:
 
     from simulate.tasks import TaskSource
     from trainer.bootstrap.config import BootstrapSettings
-
-
-def demonstration_call(task: Task) -> ToolCall:
-    """The tool call that solves `task` in one turn: replace the stub's `pass` line with the
-    canonical body, or write the whole program when the task has no such stub."""
-    solution = task.canonical_solution or ""
-    old = STUB_BODY.rstrip("\n")
-    if task.stub is not None and task.stub.count(old) == 1:
-        return ToolCall("apply_edit", {"path": SOLUTION_FILE, "old": old,
-                                       "new": solution.rstrip("\n")})
-    return ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.prompt + solution})
-
-
-def first_call(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
-    """(token ids, mask) of the episode's opening and the demonstration's first call, the
-    mask on the call: what the model must write to solve `task` in one turn."""
-    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
-    reply = chat.encode(render_call(demonstration_call(task))) + [chat.im_end]
-    return ids + reply, [0] * len(ids) + [1] * len(reply)
-
-
-def transcript(chat: ChatTokens, task: Task) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of the demonstration episode for `task`, through the model's
-    chat template with the built-in tools, each call as the template writes it."""
-    ids = chat.prompt(SYSTEM_PROMPT, task.starting_file, tools=TOOLS)
-    mask = [0] * len(ids)
-    first = demonstration_call(task)
-    turns = [first, ToolCall("run_tests"), ToolCall("finish")]
-    tests = len(re.findall(r"^def test_", task.tests, flags=re.M))
-    with tempfile.TemporaryDirectory(prefix="midtrain-") as tmp:  # the tool's own reply
-        edited = ToolWorkspace.create(Path(tmp), task).run(first).observation
-    observations = [edited, f"passed: {tests}/{tests} tests passed"]
-    for i, turn in enumerate(turns):
-        reply = chat.encode(render_call(turn)) + [chat.im_end]
-        ids += reply + chat.newline
-        mask += [1] * len(reply) + [0] * len(chat.newline)
-        if i < len(observations):
-            obs = chat.tool_results([observations[i]]) + chat.open("assistant")
-            ids += obs
-            mask += [0] * len(obs)
-    return ids, mask
 
 
 def lr_factor(step: int, steps: int, *, warmup: int = 10, floor: float = 0.1) -> float:

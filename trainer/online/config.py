@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
+
 
 class BatchMeanBaseline(BaseModel):
     """b_i = mean of the other rewards in the batch (leave-one-out: unbiased)."""
@@ -35,6 +37,18 @@ class BucketMeanBaseline(BaseModel):
 
 
 BaselineSettings = Annotated[BatchMeanBaseline | BucketMeanBaseline, Field(discriminator="kind")]
+
+
+class FormatAnchorSettings(BaseModel):
+    """The format anchor (trainer/online/anchor.py): each step, `coef` x the KL from the
+    served release to the policy on `rows` demonstration episodes of `tasks`' train split, at
+    the positions where the served release's top token has probability >= `confidence`."""
+
+    coef: float = Field(default=0.0, ge=0.0, description="0: no anchor")
+    rows: int = Field(default=8, ge=1, description="demonstration episodes a step")
+    confidence: float = Field(default=0.9, gt=0.0, le=1.0)
+    tasks: TaskSourceConfig = Field(default_factory=BuiltinTasksConfig)
+    seed: int = 0
 
 
 class OnlineTrainerSettings(BaseModel):
@@ -63,6 +77,7 @@ class OnlineTrainerSettings(BaseModel):
     is_cap: float = Field(default=2.0, gt=1.0, description="the dual clip's c (clipped) or "
                           "the importance weight cap (truncated_is)")
     kl_coef: float = Field(default=0.02, ge=0.0, description="KL anchor to the served release")
+    anchor: FormatAnchorSettings = FormatAnchorSettings()
     normalize_advantages: bool = False
     router_replay: bool = True
     baseline: BaselineSettings = BucketMeanBaseline()

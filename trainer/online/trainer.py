@@ -48,6 +48,7 @@ from trainer.distributed import (
     load_full_state_dict,
     shard,
 )
+from trainer.online.anchor import FormatAnchor
 from trainer.online.baseline import bucket_key, build_baseline
 from trainer.online.batch import Row, pack_rows
 from trainer.online.config import OnlineTrainerSettings
@@ -93,7 +94,7 @@ class OnlineTrainer:
     def __init__(self, cfg: OnlineTrainerSettings, model: Any, reference: Any, pad_id: int,
                  store: CheckpointStore, *, assistant_header: Sequence[int] = (),
                  world: World | None = None, reference_sha256: str | None = None,
-                 served: Any | None = None) -> None:
+                 served: Any | None = None, anchor: FormatAnchor | None = None) -> None:
         self.cfg = cfg
         self.world = world or World()
         self.phases = Phases(self.world)
@@ -104,6 +105,7 @@ class OnlineTrainer:
         self.served = ServedCopy(self.model, (served if served is not None else model).train())
         self.reference = reference.eval().requires_grad_(False)
         self.pad_id = pad_id
+        self.anchor = anchor  # the format anchor (trainer/online/anchor.py), when its coef > 0
         self.store = store
         self.optimizer = self._new_optimizer()
         self.baseline = build_baseline(cfg.baseline)
@@ -132,7 +134,8 @@ class OnlineTrainer:
         hf_logging.disable_progress_bar()
         configure_torch(cfg)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        header = ChatTokens(AutoTokenizer.from_pretrained(model_dir)).open("assistant")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        header = ChatTokens(tokenizer).open("assistant")
         if not world.sharded:  # sharded, each block moves its own shard to the device
             model = model.to(world.device)  # type: ignore[arg-type]  # transformers' stub
         if batch_invariant:  # per module: FSDP2's hooks wrap the patched forwards
@@ -143,10 +146,13 @@ class OnlineTrainer:
         base_sha = state_dict_sha256(served.model.state_dict())  # whole, before it is sharded
         reference = copy.deepcopy(served.model)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
-        trainer = cls(cfg, shard(model, world), shard(reference, world),
-                      int(model.config.pad_token_id), store, assistant_header=header,
-                      world=world, reference_sha256=base_sha,
-                      served=shard(served.model, world) if served.separate else None)
+        pad_id = int(model.config.pad_token_id)
+        anchor = (FormatAnchor.build(cfg.anchor, tokenizer, pad_id) if cfg.anchor.coef > 0
+                  else None)
+        trainer = cls(cfg, shard(model, world), shard(reference, world), pad_id, store,
+                      assistant_header=header, world=world, reference_sha256=base_sha,
+                      served=shard(served.model, world) if served.separate else None,
+                      anchor=anchor)
         trainer.load_latest()
         return trainer
 
@@ -235,8 +241,14 @@ class OnlineTrainer:
         # the token mean over the whole batch, after FSDP averages the ranks' gradients
         (out.loss * self.world.loss_share(my_tokens, total_tokens)).backward()
         self.baseline.update(keys, rewards)
-        return {**self.world.batch_means(out.metrics(), my_tokens), "reward": float(rewards.mean()),
-                "advantage_abs": float(adv.abs().mean()), "rows": float(len(rows))}
+        anchored: dict[str, float] = {}
+        if self.anchor is not None:  # every rank the same rows: FSDP's mean is this gradient
+            anchor_loss, anchored = self.anchor.loss(self.served.model, self.reference,
+                                                     self.state.step, self.world.device)
+            anchor_loss.backward()
+        return {**self.world.batch_means(out.metrics(), my_tokens), **anchored,
+                "reward": float(rewards.mean()), "advantage_abs": float(adv.abs().mean()),
+                "rows": float(len(rows))}
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, ref: torch.Tensor,
               adv: torch.Tensor, mask: torch.Tensor) -> OnlineLoss:

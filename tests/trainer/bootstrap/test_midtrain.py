@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from simulate.demonstrations import demonstration_call, transcript
 from simulate.harness import ChatTokens
 from simulate.rollouts import SYSTEM_PROMPT, SandboxCache, TaskEnvironment
 from simulate.tasks import BuiltinTasksConfig, HumanEvalConfig, build_task_source
 from simulate.tools import TOOLS, ToolCall, calls_in, render_call
-from trainer.bootstrap.midtrain import demonstration_call, transcript
 
 
 def test_demonstrations_solve_their_tasks(tmp_path: Path) -> None:
