@@ -73,12 +73,15 @@ def inprocess(policy: Any, cfg: Any, train: list[Any], seconds: float
 
 
 def shipping_bytes(versions: list[Any]) -> dict[str, float]:
-    """Mean bytes to ship one version after another: Flywheel's delta, XOR + zstd-1, raw."""
+    """Mean bytes to ship one version after another: Flywheel's delta (as the fleet's
+    publisher codes it), XOR + zstd-1, raw."""
     from bench.delta import xor_zstd1
     from kernels.delta import encode_delta
+    from trainer.bootstrap.policy_publisher import POLICY_DELTA_OPTIONS
 
     pairs = list(zip(versions, versions[1:], strict=False))
-    delta = [encode_delta(a, b, base_version=i, target_version=i + 1).manifest.nbytes
+    delta = [encode_delta(a, b, base_version=i, target_version=i + 1,
+                          options=POLICY_DELTA_OPTIONS).manifest.nbytes
              for i, (a, b) in enumerate(pairs)]
     xor = [sum(len(blob) for blob in xor_zstd1(a, b).values()) for a, b in pairs]
     return {"delta": max(1.0, sum(delta) / max(1, len(delta))),  # 1: no version moved at all

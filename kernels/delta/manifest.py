@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-Codec = Literal["same", "sparse", "nibble", "xor", "full"]
+Codec = Literal["same", "sparse", "nibble", "exponent_nibble", "xor", "full"]
 
 
 class DeltaError(Exception):
@@ -66,7 +66,8 @@ class ShardRef(BaseModel):
 class DeltaManifest(BaseModel):
     """A release as stored next to its shards (`manifest.json`)."""
 
-    schema_version: Literal[1, 2] = 2  # 2 adds the nibble codec; 1 is still read
+    # 2 adds the nibble codec, 3 exponent_nibble; the earlier ones are still read
+    schema_version: Literal[1, 2, 3] = 3
     kind: Literal["delta", "snapshot"]
     base: VersionRef | None
     target: VersionRef

@@ -44,17 +44,28 @@ def encode_nibble(diff: np.ndarray, level: int, threads: int) -> list[bytes]:
     signed = diff.view(SINT[diff.dtype.itemsize])
     small = (signed >= -7) & (signed <= 7)
     symbols = np.where(small, signed + BIAS, ESCAPE).astype(np.uint8)
-    half = (symbols.size + 1) // 2
-    packed = symbols[:half].copy()
-    packed[: symbols.size - half] |= symbols[half:] << 4
     escaped = np.flatnonzero(~small)
     gap_syms, gap_esc = gaps_to_symbols(escaped)
     remainders = diff[escaped] + diff.dtype.type(BIAS)
-    return [_compress_symbols(packed, threads),
+    return [compress_symbols(pack_symbols(symbols), threads),
             *(compress(p, level, threads) for p in (gap_syms, gap_esc, remainders))]
 
 
-def _compress_symbols(packed: np.ndarray, threads: int) -> bytes:
+def pack_symbols(symbols: np.ndarray) -> np.ndarray:
+    """(n,) 4-bit symbols -> (ceil(n / 2),) bytes: symbol i in the low nibble of byte i,
+    symbol h + i in its high nibble."""
+    half = (symbols.size + 1) // 2
+    packed = symbols[:half].copy()
+    packed[: symbols.size - half] |= symbols[half:] << 4
+    return packed
+
+
+def unpack_symbols(packed: np.ndarray, count: int) -> np.ndarray:
+    """`pack_symbols`' inverse: the first `count` symbols, (count,) uint8."""
+    return np.concatenate([packed & 15, packed[: count - packed.size] >> 4])
+
+
+def compress_symbols(packed: np.ndarray, threads: int) -> bytes:
     """zstd's optimal parser with a minimal search: on these near-iid bytes it keeps almost
     only literals, which is ~15% smaller than level 3 and several times faster to decode
     (Huffman literals decode faster than sequences); it encodes at ~5-10 MB/s per thread."""

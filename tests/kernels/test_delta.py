@@ -3,6 +3,8 @@ snapshots and chain planning. Small tensors: the whole file runs in a few second
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from kernels.delta import (
 )
 from kernels.delta.chain import ChainError, ReleaseInfo, apply_chain, plan_chain
 from kernels.delta.codec import CodecOptions, decode_tensor, encode_tensor
+from kernels.delta.exponent import MIN_GROUP, encode_exponent_nibble, exponents
 from kernels.delta.manifest import DeltaManifest
 from kernels.delta.nibble import CHUNK as NIBBLE_CHUNK
 from kernels.delta.nibble import encode_nibble
@@ -27,6 +30,7 @@ from kernels.delta.state_dict import ShardReader
 from kernels.delta.streams import tensor_bits, xxh3_hex
 from kernels.weights import state_dict_sha256
 
+GROUPED = CodecOptions(threads=0, group_by_exponent=True)
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40]
 
 
@@ -105,6 +109,11 @@ def test_codec_is_chosen_per_tensor() -> None:
     codecs = {t.name: t.codec for t in release.manifest.tensors}
     assert codecs["layer.0.norm"] == "same"
     assert codecs["embed.weight"] == "nibble"  # lr 1e-4 moves most small weights
+    # by more ulps the smaller they are: grouped by exponent where asked
+    grouped = encode_delta(base, target, base_version=0, target_version=1,
+                           options=DeltaOptions(group_by_exponent=True))
+    assert {t.name: t.codec for t in grouped.manifest.tensors}["embed.weight"] == \
+        "exponent_nibble"
     assert codecs["layer.0.fp32"] == "xor"
     live = _copy(target)
     apply_delta(live, release.manifest, release.shards.__getitem__)
@@ -132,9 +141,15 @@ def test_nibble_codec_round_trips_both_ways_with_escapes(size: int) -> None:
     a, b = tensor_bits(w), tensor_bits(new)
     if size > 1000:
         assert encode_tensor(a, b, w.dtype, CodecOptions(threads=0)).codec == "nibble"
-    streams = [memoryview(s) for s in encode_nibble(b - a, 3, 0)]
+    _round_trips("nibble", encode_nibble(b - a, 3, 0), a, b, w.dtype)
+
+
+def _round_trips(codec: str, streams: list[bytes], a: np.ndarray, b: np.ndarray,
+                 dtype: torch.dtype) -> None:
+    """`streams` take a to b forwards and b to a backwards, with the right hashes."""
+    frames = [memoryview(s) for s in streams]
     for live, want, backward in ((a, b, False), (b, a, True)):
-        decoded = decode_tensor("nibble", streams, live, w.dtype, backward=backward)
+        decoded = decode_tensor(codec, frames, live, dtype, backward=backward)
         assert decoded.live_xxh3 == xxh3_hex(live) and decoded.result_xxh3 == xxh3_hex(want)
         out = live.copy()
         decoded.update.apply(out)
@@ -149,6 +164,59 @@ def test_a_corrupt_nibble_stream_is_refused() -> None:
     assert manifest.tensors[0].codec == "nibble"
     manifest.tensors[0].frames[0].length -= 1  # a truncated frame, with consistent shards
     assert_refused_untouched(base, manifest, release.shards.__getitem__, match="undecodable")
+
+
+@pytest.mark.parametrize("size", [1, 7, 3 * MIN_GROUP + 5, 2 * NIBBLE_CHUNK + 3])
+def test_exponent_nibble_codec_round_trips_both_ways(size: int) -> None:
+    """Escapes, and crossers: weights just under a power of two whose step carries them over
+    (their exponent differs between the ends, so they are coded apart from every group)."""
+    gen = torch.Generator().manual_seed(size)
+    w = (torch.randn(size, generator=gen) * 0.02).to(torch.bfloat16)
+    w[::11] = 2.0 ** -5  # a step down crosses to the exponent below
+    new = _rl_step(w, 1e-4, gen).view(-1)
+    new[::97] = torch.randn(new[::97].shape, generator=gen).to(torch.bfloat16)  # escapes
+    a, b = tensor_bits(w), tensor_bits(new)
+    if size > 1000:
+        assert (exponents(a, w.dtype) != exponents(b, w.dtype)).any()
+    if size > NIBBLE_CHUNK:
+        assert encode_tensor(a, b, w.dtype, GROUPED).codec == "exponent_nibble"
+    _round_trips("exponent_nibble", encode_exponent_nibble(a, b - a, w.dtype, 3, 0), a, b,
+                 w.dtype)
+
+
+def test_a_corrupt_exponent_group_stream_is_refused() -> None:
+    base = {"w": (torch.randn(50_000) * 0.02).to(torch.bfloat16)}
+    target = {"w": _rl_step(base["w"], 1e-4, torch.Generator().manual_seed(0))}
+    release = encode_delta(base, target, base_version=0, target_version=1,
+                           options=DeltaOptions(group_by_exponent=True))
+    manifest = release.manifest.model_copy(deep=True)
+    assert manifest.tensors[0].codec == "exponent_nibble"
+    frame = manifest.tensors[0].frames[-1]  # a group's stream
+    name = manifest.shards[0].name
+    blob = bytearray(release.shards[name])
+    blob[frame.offset + frame.length // 2] ^= 0x5A
+    shards = {name: bytes(blob)}  # a consistent shard: only the decoder can tell
+    manifest.shards[0].sha256 = hashlib.sha256(shards[name]).hexdigest()
+    live = _copy(base)
+    with pytest.raises(DeltaVerificationError):
+        apply_delta(live, manifest, shards.__getitem__)
+    assert _bits_equal(live, base)
+
+
+def test_a_grouped_delta_against_a_wrong_base_is_refused_as_one() -> None:
+    """Its groups come from the live tensor: a wrong base makes groups that do not fit the
+    streams, which is a base mismatch (the live hash is neither end), not corruption."""
+    base = {"w": (torch.randn(50_000) * 0.02).to(torch.bfloat16)}
+    target = {"w": _rl_step(base["w"], 1e-4, torch.Generator().manual_seed(0))}
+    release = encode_delta(base, target, base_version=0, target_version=1,
+                           options=DeltaOptions(group_by_exponent=True))
+    assert release.manifest.tensors[0].codec == "exponent_nibble"
+    other = {"w": (torch.randn(50_000) * 0.5).to(torch.bfloat16)}
+    with pytest.raises(BaseMismatchError):
+        apply_delta(other, release.manifest, release.shards.__getitem__)
+    back = _copy(target)
+    apply_delta(back, release.manifest, release.shards.__getitem__)
+    assert _bits_equal(back, base)
 
 
 def test_tiny_shards_round_trip() -> None:
@@ -223,6 +291,9 @@ def test_a_tied_head_sharing_the_embeddings_storage_is_written_once() -> None:
     """The nibble codec adds in place: a head tied to the embeddings (one storage, two names
     in the state dict, as transformers ties them) must get its update once, not twice."""
     base, target = _model(), _next(_model())
+    gen = torch.Generator().manual_seed(3)  # one exponent: grouping gains nothing, nibble stays
+    base["embed.weight"] = (1 + torch.rand(300, 64, generator=gen)).to(torch.bfloat16)
+    target["embed.weight"] = _rl_step(base["embed.weight"], 1e-2, gen)
     base["lm_head.weight"], target["lm_head.weight"] = (base["embed.weight"].clone(),
                                                         target["embed.weight"].clone())
     release = encode_delta(base, target, base_version=0, target_version=1)

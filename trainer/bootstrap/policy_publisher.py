@@ -4,7 +4,10 @@
 before (a full snapshot first, and every `snapshot_every` versions, for workers that join late
 or fall far behind), prunes what no worker needs any more, and announces it on the `policy`
 topic as a `ReleasePublished`. Encoding runs on its own thread; when versions come faster than
-it encodes, it skips to the newest (the delta spans the gap).
+it encodes, it skips to the newest (the delta spans the gap). Deltas group a float tensor's
+changes by exponent (`exponent_nibble`, kernels/delta/exponent.py): a version ships every step
+to every worker, on any host and link, and the bootstrap's model is small, so bytes count more
+than the milliseconds a worker spends applying them.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import torch
 from ingest.config import KafkaConfig
 from ingest.events import ReleaseKind, ReleasePublished
 from ingest.log import EventProducer
-from kernels.delta import encode_delta, encode_snapshot
+from kernels.delta import DeltaOptions, encode_delta, encode_snapshot
 from kernels.delta.store import ArtifactStore, release_prefix
 from kernels.weights import state_dict_sha256
 from simulate.rollout_worker import MODEL_PREFIX
 
 log = logging.getLogger(__name__)
+
+POLICY_DELTA_OPTIONS = DeltaOptions(group_by_exponent=True)
 
 Weights = dict[str, torch.Tensor]
 
@@ -124,7 +129,7 @@ class PolicyPublisher:
             base_version, base_sha, base = self._base
             encoded = encode_delta(base, weights, base_version=base_version,
                                    target_version=version, base_sha256=base_sha,
-                                   target_sha256=sha)
+                                   target_sha256=sha, options=POLICY_DELTA_OPTIONS)
             self.store.write_release(encoded.manifest, encoded.shards)
             self.shipped.append(Shipped(version, "delta", encoded.manifest.nbytes))
             self._deltas.append(version)
