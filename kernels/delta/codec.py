@@ -14,9 +14,10 @@ Self-inverse: classes come from a value both ends know. Changed elements whose c
 before and after ("crossers") are coded by position and left out of every class, so a decoder
 holding the base or the target sees the same class members and applies +d or -d. `nibble`
 (kernels/delta/nibble.py: d in 4 bits for every element) takes over once 1/16 of a tensor
-moves: as small there, and cheaper to apply. `xor` (byte planes of old ^ new, for changes too
-dense for both) is self-inverse by construction; `full` (byte planes of new) is for snapshots;
-`same` stores nothing.
+moves: as small there, and cheaper to apply; `exponent_nibble` (kernels/delta/exponent.py)
+groups those d's by exponent where asked. `xor` (kernels/delta/planes.py: byte planes of
+old ^ new, for changes too dense for both) is self-inverse by construction; `full` (byte
+planes of new) is for snapshots; `same` stores nothing.
 
 Every decoder hashes the live tensor while it reads it (so the caller learns whether it holds
 the base or the target without a separate pass) and the result it would write.
@@ -36,15 +37,16 @@ from pydantic import BaseModel, Field
 from kernels.delta.classes import ChunkClasses, walk_classes
 from kernels.delta.exponent import (
     ExponentStreamError,
-    GroupsMisfitError,
     applies_to,
     decode_exponent_nibble,
     encode_exponent_nibble,
 )
 from kernels.delta.manifest import Codec
 from kernels.delta.nibble import NibbleStreamError, NibbleUpdate, decode_nibble, encode_nibble
+from kernels.delta.planes import decode_planes, encode_planes
 from kernels.delta.streams import (
     CHUNK,
+    CorruptStreamError,
     choose_thresholds,
     classes_of,
     compress,
@@ -57,11 +59,9 @@ from kernels.delta.streams import (
     xxh3_hex,
 )
 
-MISFIT = "misfit"  # a result hash no tensor has: streams that did not fit the live tensor
 DENSE_ABOVE = 16  # a decoded tensor with more than 1/16 changed is kept whole
 NIBBLE_ABOVE = 1 / 16  # changed share from which the nibble codec is tried
-# nibble is kept unless sparse or exponent_nibble is this much smaller (nibble decodes faster)
-SPARSE_OVER_NIBBLE = 0.9
+SPARSE_OVER_NIBBLE = 0.9  # nibble is kept unless another is this much smaller (decodes faster)
 
 
 class CodecOptions(BaseModel):
@@ -124,10 +124,6 @@ class Encoded:
     @property
     def nbytes(self) -> int:
         return sum(len(s) for s in self.streams)
-
-
-class CorruptStreamError(ValueError):
-    """Decoded streams that do not fit the tensor (lengths, positions, counts)."""
 
 
 # ---- encode --------------------------------------------------------------------------------
@@ -214,27 +210,7 @@ def _class_changes(
             [_cat(v, diff.dtype) for v in values])
 
 
-def encode_planes(bits: np.ndarray, level: int, threads: int) -> list[bytes]:
-    """Byte planes (all low bytes, then the next ...): exponent bytes compress apart."""
-    width = bits.dtype.itemsize
-    planes = bits.view(np.uint8).reshape(-1, width).T
-    return [compress(np.ascontiguousarray(p), level, threads) for p in planes]
-
-
 # ---- decode --------------------------------------------------------------------------------
-
-
-def decode_planes(frames: Sequence[memoryview], live: np.ndarray) -> np.ndarray:
-    width = live.dtype.itemsize
-    if len(frames) != width:
-        raise CorruptStreamError(f"{len(frames)} byte planes for {width}-byte elements")
-    out = np.empty((live.size, width), np.uint8)
-    for j, frame in enumerate(frames):
-        plane = decompress(frame, np.uint8)
-        if plane.size != live.size:
-            raise CorruptStreamError(f"byte plane of {plane.size} for {live.size} elements")
-        out[:, j] = plane
-    return out.reshape(-1).view(live.dtype)
 
 
 def decode_tensor(
@@ -264,12 +240,9 @@ def decode_tensor(
             raise CorruptStreamError(str(exc)) from exc
     if codec == "exponent_nibble":
         try:
-            values, live_hash, result_hash = decode_exponent_nibble(frames, live, dtype,
-                                                                    backward)
+            values, live_hash, result_hash = decode_exponent_nibble(frames, live, dtype, backward)
         except ExponentStreamError as exc:
             raise CorruptStreamError(str(exc)) from exc
-        except GroupsMisfitError as exc:  # the live hash tells a wrong base from corruption
-            return Decoded(DenseUpdate(live.copy()), exc.live_xxh3, MISFIT)
         return Decoded(DenseUpdate(values), live_hash, result_hash)
     if codec == "sparse" and not thresholds:
         return decode_sparse_flat(frames, live, counts, backward)

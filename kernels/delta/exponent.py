@@ -49,13 +49,7 @@ class ExponentStreamError(ValueError):
     """Decoded exponent-nibble streams that do not fit the tensor."""
 
 
-class GroupsMisfitError(ValueError):
-    """The groups the live tensor makes do not fit the streams: the live weights are neither
-    end of the delta (or a group's stream is corrupt); `live_xxh3` lets the caller tell."""
-
-    def __init__(self, live_xxh3: str) -> None:
-        super().__init__("exponent_nibble codec: the live tensor's groups do not fit the streams")
-        self.live_xxh3 = live_xxh3
+MISFIT = "misfit"  # the result hash of streams that do not fit the live tensor's groups
 
 
 def applies_to(dtype: torch.dtype) -> bool:
@@ -112,8 +106,10 @@ def encode_exponent_nibble(base: np.ndarray, diff: np.ndarray, dtype: torch.dtyp
 def decode_exponent_nibble(frames: Sequence[memoryview], live: np.ndarray, dtype: torch.dtype,
                            backward: bool) -> tuple[np.ndarray, str, str]:
     """(the new bit patterns, xxh3 of `live`, xxh3 of the result). Raises
-    `ExponentStreamError` for streams that fit no tensor, `GroupsMisfitError` for streams
-    that do not fit this one's groups."""
+    `ExponentStreamError` for streams that fit no tensor. Streams that do not fit the groups
+    `live` makes mean it is neither end of the delta (or a group's stream is corrupt): `live`
+    unchanged, its hash, and `MISFIT` for the result, which no tensor hashes to, so the
+    caller's hash checks refuse it as the one or the other."""
     if len(frames) < FIXED_STREAMS:
         raise ExponentStreamError("exponent_nibble codec: too few streams")
     crossers = _positions(frames[0], frames[1], live.size)
@@ -124,18 +120,22 @@ def decode_exponent_nibble(frames: Sequence[memoryview], live: np.ndarray, dtype
         raise ExponentStreamError("exponent_nibble codec: streams of different lengths")
     groups = groups_of(exponents(live, dtype), crossers)
     if len(frames) != FIXED_STREAMS + len(groups):
-        raise GroupsMisfitError(xxh3_hex(live))
+        return _misfit(live)
     d = np.zeros(live.size, live.dtype)
     for members, frame in zip(groups, frames[FIXED_STREAMS:], strict=True):
         packed = decompress(frame, np.uint8)
         if packed.size != (members.size + 1) // 2:
-            raise GroupsMisfitError(xxh3_hex(live))
+            return _misfit(live)
         d[members] = unpack_symbols(packed, members.size)
     d -= d.dtype.type(BIAS)
     d[escaped] += remainders  # an escape's symbol is 0: -8 + (d + 8)
     d[crossers] = crossed
     result = live - d if backward else live + d
     return result, xxh3_hex(live), xxh3_hex(result)
+
+
+def _misfit(live: np.ndarray) -> tuple[np.ndarray, str, str]:
+    return live.copy(), xxh3_hex(live), MISFIT
 
 
 def _positions(symbols: memoryview, overflows: memoryview, size: int) -> np.ndarray:

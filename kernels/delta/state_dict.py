@@ -28,7 +28,6 @@ from pydantic import Field
 
 from kernels.delta.codec import (
     CodecOptions,
-    CorruptStreamError,
     Decoded,
     Encoded,
     Update,
@@ -45,7 +44,7 @@ from kernels.delta.manifest import (
     TensorEntry,
     VersionRef,
 )
-from kernels.delta.streams import tensor_bits, xxh3_hex
+from kernels.delta.streams import CorruptStreamError, tensor_bits, xxh3_hex
 from kernels.weights import state_dict_sha256
 
 StateDict = Mapping[str, torch.Tensor]

@@ -20,6 +20,10 @@ SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
 
+class CorruptStreamError(ValueError):
+    """Decoded streams that do not fit the tensor (lengths, positions, counts)."""
+
+
 def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
     """Flat unsigned-integer view of a contiguous tensor's memory (writes go to the tensor)."""
     if not tensor.is_contiguous():
