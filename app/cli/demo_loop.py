@@ -74,7 +74,8 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
                                                        "tasks": settings.bootstrap.tasks})
     online = settings.online.model_copy(update={
         "release_every_steps": plan.release_every_steps, "stop_after_releases": plan.releases,
-        "threads": 1, "lr": 2e-4, "anchor": anchor, "min_batch": plan.online_batch,
+        "threads": 1, "lr": 2e-4, "anchor": anchor, "max_staleness": 0,
+        "min_batch": plan.online_batch,
         "max_batch": plan.online_batch, "checkpoint_every_steps": 10})
     engine = settings.engine.model_copy(update={
         "threads": 1, "prefix_cache_tokens": DEFAULT_PREFIX_CACHE_TOKENS})

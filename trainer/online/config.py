@@ -14,6 +14,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
+MAX_STALENESS = 63  # the trainer keeps the publication times of its last 64 releases
+
 
 class BatchMeanBaseline(BaseModel):
     """b_i = mean of the other rewards in the batch (leave-one-out: unbiased)."""
@@ -76,6 +78,13 @@ class OnlineTrainerSettings(BaseModel):
     clip: float = Field(default=0.2, gt=0.0, lt=1.0, description="PPO ratio clip (clipped)")
     is_cap: float = Field(default=2.0, gt=1.0, description="the dual clip's c (clipped) or "
                           "the importance weight cap (truncated_is)")
+    # Bounded staleness: train only on generations made since the trainer's last
+    # max_staleness + 1 releases were published; older ones are passed over, never trained
+    # (counted as stale). When the traffic outruns the trainer, its backlog would otherwise
+    # grow without end and each release learn from what an older one served: in the demo at
+    # 10 developers the trainer took half of the traffic, and every release was trained on the
+    # sessions of the version before the one it replaced. None: everything, in order.
+    max_staleness: int | None = Field(default=None, ge=0, le=MAX_STALENESS)
     kl_coef: float = Field(default=0.02, ge=0.0, description="KL anchor to the served release")
     anchor: FormatAnchorSettings = FormatAnchorSettings()
     normalize_advantages: bool = False

@@ -2,8 +2,9 @@
 
 `ExperienceSource` is the `EventConsumer` on `experiences`, assigned every partition by hand
 and seeking to the offsets of the latest checkpoint; `take_batch` cuts a prefix of the polled
-records (so resuming after a batch is one offset per partition) and skips what the ledger has
-and what a deleted user generated (`ingest.deletions.Forgotten`, read before each batch);
+records (so resuming after a batch is one offset per partition) and skips what the ledger has,
+what a deleted user generated (`ingest.deletions.Forgotten`, read before each batch) and what
+is staler than `max_staleness` releases allow (`stale_before`);
 `OnlineLoop` applies control commands (pause, resume, release), steps the trainer, checkpoints,
 commits Kafka offsets once the checkpoint is durable, and hands weights to the release
 pipeline every `release_every_steps` trainer steps, or every `release_interval_s`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,11 +23,12 @@ from typing import Any, Protocol
 from ingest.config import KafkaConfig
 from ingest.deletions import Forgotten
 from ingest.events import ExperienceReady
+from ingest.join_store import as_utc
 from ingest.log import Delivered, EventProducer, ensure_topics
 from ingest.topic_reader import Offsets, TopicReader, offset_key
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
-from trainer.online.config import OnlineTrainerSettings
+from trainer.online.config import MAX_STALENESS, OnlineTrainerSettings
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.pipeline import ReleaseSink
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
@@ -53,25 +55,41 @@ class Batch:
     offsets: Offsets  # where to resume after this batch
     skipped: int  # already trained (in the ledger, or twice in the batch)
     forgotten: int = 0  # of users deleted after generating them
+    stale: int = 0  # generated before the staleness bound's cut (`stale_before`)
+
+
+def stale_before(published_at: Sequence[float], max_staleness: int | None) -> float | None:
+    """The cut of the staleness bound: generations made before the trainer's last
+    `max_staleness + 1` releases were published (`published_at`, oldest first) are stale.
+    None (no bound, or fewer releases so far) keeps everything; else unix seconds.
+
+    By time, not by `model_version`: after an admin's rollback the served version is older
+    than the trainer's last release, and its new traffic must count as fresh."""
+    if max_staleness is None or len(published_at) <= max_staleness:
+        return None
+    return published_at[-(max_staleness + 1)]
 
 
 def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
-               max_batch: int, forgotten: Callable[[ExperienceReady], bool] | None = None
-               ) -> Batch | None:
+               max_batch: int, forgotten: Callable[[ExperienceReady], bool] | None = None,
+               stale_cut: float | None = None) -> Batch | None:
     """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
     None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
-    Experiences `forgotten` says are a deleted user's are passed over, never trained.
+    Experiences `forgotten` says are a deleted user's are passed over, never trained, and so
+    are those generated before `stale_cut`.
 
     Taking a prefix keeps each partition's records in offset order, so "resume after this
     batch" is one offset per partition: the last taken + 1.
     """
     fresh: set[str] = set()
     taken: list[ExperienceReady] = []
-    dropped = cut = 0
+    dropped = stale = cut = 0
     for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
         exp: ExperienceReady = record.event
         if forgotten is not None and forgotten(exp):
             dropped += 1
+        elif stale_cut is not None and as_utc(exp.generated_at).timestamp() < stale_cut:
+            stale += 1
         elif not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
             fresh.add(exp.experience_id)
             taken.append(exp)
@@ -83,7 +101,7 @@ def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
     for record in pending[:cut]:
         offsets[offset_key(record.topic, record.partition)] = record.offset + 1
     del pending[:cut]
-    return Batch(taken, offsets, cut - len(taken) - dropped, dropped)
+    return Batch(taken, offsets, cut - len(taken) - dropped - stale, dropped, stale)
 
 
 # ---- the loop -----------------------------------------------------------------------------
@@ -94,6 +112,7 @@ class OnlineReport:
     skipped: int
     releases: list[dict[str, Any]]
     forgotten: int = 0
+    stale: int = 0
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -129,7 +148,7 @@ class OnlineLoop:
         self.forgotten = forgotten
         self.pending: list[Delivered[Any]] = []
         self.paused = False
-        self.skipped = self.dropped = 0
+        self.skipped = self.dropped = self.stale = 0
         self.releases: list[dict[str, Any]] = []
         self._next_control = 0.0
         self._checkpointed_step = trainer.state.step
@@ -146,7 +165,9 @@ class OnlineLoop:
             if self.forgotten is not None and len(self.pending) >= self.cfg.min_batch:
                 self.forgotten.refresh()  # a deletion holds from the next batch on
             batch = take_batch(self.pending, self.trainer.ledger, min_batch=self.cfg.min_batch,
-                               max_batch=self.cfg.max_batch, forgotten=self.forgotten)
+                               max_batch=self.cfg.max_batch, forgotten=self.forgotten,
+                               stale_cut=stale_before(self.trainer.state.published_at,
+                                                      self.cfg.max_staleness))
             if batch is not None:
                 self._train(batch)
             else:
@@ -157,7 +178,7 @@ class OnlineLoop:
             self._checkpoint()
         self._publish_status()
         return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
-                            self.releases, self.dropped)
+                            self.releases, self.dropped, self.stale)
 
     def _release_due(self) -> bool:
         """Every `release_every_steps` trainer steps where set: each release holds the same
@@ -177,8 +198,12 @@ class OnlineLoop:
     def _train(self, batch: Batch) -> None:
         self.skipped += batch.skipped
         self.dropped += batch.forgotten
+        self.stale += batch.stale
         if batch.forgotten:
             log.info("passed over %d experiences of deleted users", batch.forgotten)
+        if batch.stale:
+            log.info("passed over %d experiences staler than %d releases", batch.stale,
+                     self.cfg.max_staleness)
         metrics = self.trainer.step(batch.experiences)
         self.trainer.state.offsets.update(batch.offsets)
         if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
@@ -233,6 +258,8 @@ class OnlineLoop:
             self.trainer.adopt_reference()  # the KL anchor follows the served release
             state.release_from_step = state.step
             state.last_release = {**result, "at": time.time()}
+            kept = MAX_STALENESS + 1
+            state.published_at = [*state.published_at, state.last_release["at"]][-kept:]
         else:  # refused by the gate: train on from what is served, not from the refused weights
             self.trainer.revert_to_reference()
             state.release_from_step = state.step  # the refused steps are in no weights now

@@ -71,6 +71,7 @@ class TrainerState:
     reference_sha256: str | None = None
     release_from_step: int = 0  # first step not contained in a release yet
     last_release: dict[str, Any] | None = None
+    published_at: list[float] = field(default_factory=list)  # unix times, oldest first
     last_release_wall: float = field(default_factory=time.time)
     last_release_step: int = 0  # the step the last release was cut at (published or not)
     warmup_from: int = 0  # the step the rate last began warming up (start, or a refusal)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from trainer.online.control import (
     open_control_db,
     read_status,
 )
-from trainer.online.loop import OnlineLoop, experience_source, take_batch
+from trainer.online.loop import OnlineLoop, experience_source, stale_before, take_batch
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.pipeline import ReleaseOutcome
 
@@ -142,3 +143,46 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
     assert trainer.state.release_from_step == 4
     assert trainer.state.warmup_from == (0 if fail else 2)
     torch.use_deterministic_algorithms(False)
+
+
+def test_bounded_staleness_passes_over_what_an_older_release_served(
+        settings: Settings, model_dir: Path) -> None:
+    """`max_staleness` 0: once a release is published, the backlog generated before it is
+    passed over (counted as stale, never trained) and the next step trains on what was
+    generated after it. The records share one key, so one partition keeps their order."""
+    online = settings.online.model_copy(update={
+        "min_batch": 2, "max_batch": 2, "release_every_steps": 1, "stop_after_releases": 2,
+        "max_staleness": 0, "deterministic": True})
+    kafka = settings.kafka_config(settings.kafka_bootstrap or "")
+    now = time.time()
+    made = make_experiences(model_dir, 6)
+    ages = [-20, -20, -10, -10, 3600, 3600]  # seconds from now: two before, two after
+    experiences = [e.model_copy(update={"generated_at": datetime.fromtimestamp(now + age, UTC)})
+                   for e, age in zip(made, ages, strict=True)]
+    producer = EventProducer(kafka)
+    for exp in experiences:
+        producer.send(kafka.topics.experiences, "one-partition", exp)
+    producer.flush()
+    producer.close()
+    root = settings.data_dir / "trainer"
+    trainer = OnlineTrainer.restore(online, model_dir, root)
+    source = experience_source(kafka, group_id="staleness-test", dlq=None)
+    try:
+        report = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                            release_sink=RecordingSink()).run()
+    finally:
+        source.close()
+    trained = [entry.experience_ids for entry in trainer.ledger.between(0, 1)]
+    assert trained == [[e.experience_id for e in experiences[0:2]],
+                       [e.experience_id for e in experiences[4:6]]]
+    assert report.stale == 2 and report.steps == 2
+    assert len(trainer.state.published_at) == 2
+    torch.use_deterministic_algorithms(False)
+
+
+def test_the_staleness_cut_is_the_publication_of_the_oldest_release_allowed() -> None:
+    assert stale_before([], 0) is None  # nothing published yet: everything is fresh
+    assert stale_before([10.0, 20.0], None) is None  # no bound
+    assert stale_before([10.0, 20.0], 0) == 20.0
+    assert stale_before([10.0, 20.0], 1) == 10.0
+    assert stale_before([10.0], 1) is None  # one release so far: version 0's traffic is fresh
