@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -220,3 +221,30 @@ def stack_routes(
         start = offsets[b] if offsets is not None else 0
         out[b, start : start + seq.shape[0]] = seq[: length - start]
     return out
+
+
+def stack_logged_routes(routes: Sequence[np.ndarray | None], width: int) -> torch.Tensor | None:
+    """Per-row routes as logged ((tokens, L, K) int16, or None for a row logged without) as
+    one (B, width, L, K) replay tensor, NO_ROUTE where a row has none (its router decides);
+    None when no row has routes."""
+    given = [r for r in routes if r is not None]
+    if not given:
+        return None
+    empty = np.empty((0, *given[0].shape[1:]), dtype=np.int16)
+    return stack_routes([torch.from_numpy(np.array(r if r is not None else empty, dtype=np.int16))
+                         for r in routes], width)
+
+
+class _NoReplay:
+    routes: torch.Tensor | None = None
+
+
+@contextmanager
+def maybe_replay_routes(model: nn.Module, routes: torch.Tensor | None) -> Iterator[Any]:
+    """``replay_routes`` with ``routes``, whose replayer's ``routes`` the calls inside may
+    swap (a prefix, then the rest); without routes, a stand-in whose routes nothing reads."""
+    if routes is None:
+        yield _NoReplay()
+        return
+    with replay_routes(model, routes) as replayer:
+        yield replayer

@@ -161,22 +161,29 @@ def pack_trajectory(traj: Trajectory[Segment]) -> RolloutTrajectory:
 
 
 def _pad_rows(routes: np.ndarray, rows: int) -> np.ndarray:
+    """A segment's routes to one row per token: the tokens after its last engine call (a
+    closing tag the harness added) have none, NO_ROUTE, so that a replay leaves them to the
+    router."""
+    from kernels.moe_replay import NO_ROUTE  # torch: only where an engine routed experts
+
     routes = np.asarray(routes, dtype=np.int16)[:rows]
-    pad = np.zeros((rows - len(routes), *routes.shape[1:]), dtype=np.int16)
+    pad = np.full((rows - len(routes), *routes.shape[1:]), NO_ROUTE, dtype=np.int16)
     return np.concatenate([routes, pad])
 
 
 def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:
-    """The context windows of a packed trajectory (routes dropped: the trainer replays them
-    from `routed_experts` directly when it uses them)."""
+    """The context windows of a packed trajectory, each with its tokens' routes where the
+    trajectory carries them (`routed_experts`), for the learner to replay."""
     ids, mask = traj.token_ids.unpack(), traj.loss_mask.unpack()
     logprobs = traj.logprobs.unpack()
+    routes = None if traj.routed_experts is None else traj.routed_experts.unpack()
     segments, start = [], 0
     for length in traj.segment_lengths.unpack().tolist():
         end = start + int(length)
         segments.append(Segment(token_ids=ids[start:end].tolist(),
                                 loss_mask=mask[start:end].tolist(),
-                                logprobs=logprobs[start:end].tolist()))
+                                logprobs=logprobs[start:end].tolist(),
+                                routes=None if routes is None else routes[start:end]))
         start = end
     return segments
 

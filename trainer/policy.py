@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from kernels.moe_replay import maybe_replay_routes, stack_logged_routes
 from kernels.weights import checkpoint_dtype, served_dtype
 from trainer.distributed import (
     Phases,
@@ -75,12 +77,13 @@ class TokenBatch:
 
 def sequence_logprobs(model: Any, batch: TokenBatch, *,
                       temperature: float | torch.Tensor = 1.0,
-                      share_prefix: bool = True) -> torch.Tensor:
+                      share_prefix: bool = True,
+                      routes: torch.Tensor | None = None) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) at every position t that some row of the batch
     trains (`loss_mask`); 0 elsewhere, position 0 included. Returns (B, T).
     `next_token_logprobs` has how, and the arguments."""
     logprobs, keep = next_token_logprobs(model, batch, temperature=temperature,
-                                         share_prefix=share_prefix)
+                                         share_prefix=share_prefix, routes=routes)
     picked = logprobs.gather(-1, batch.tokens[:, keep + 1, None]).squeeze(-1)  # (B, K)
     out = torch.zeros(batch.tokens.shape, dtype=picked.dtype, device=picked.device)
     return out.index_copy(1, keep + 1, picked)
@@ -88,7 +91,8 @@ def sequence_logprobs(model: Any, batch: TokenBatch, *,
 
 def next_token_logprobs(model: Any, batch: TokenBatch, *,
                         temperature: float | torch.Tensor = 1.0,
-                        share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        share_prefix: bool = True,
+                        routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole next-token distribution, log-softmaxed, at every position whose next token
     some row of the batch trains: ((B, K, V) float32 logprobs, (K,) positions `keep`), row b's
     distribution at `keep[k]` being that of `tokens[b, keep[k] + 1]`.
@@ -98,26 +102,30 @@ def next_token_logprobs(model: Any, batch: TokenBatch, *,
     small model. A prefix every row shares (the system prompt and tool listing) goes through
     the layers once and reaches the rows as a key/value cache that the backward pass flows
     through, so its gradient is the same as if each row had computed it (`share_prefix=False`:
-    one forward over whole rows, for hooks that index tokens by row, such as route replay). An
-    FSDP2-sharded model always runs one forward: its blocks free their gathered weights after
-    each forward and expect one backward per forward.
-    `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits)."""
+    one forward over whole rows). An FSDP2-sharded model always runs one forward: its blocks
+    free their gathered weights after each forward and expect one backward per forward.
+    `temperature`: one for the batch or one per row, (B,); 0 means greedy (raw logits).
+    `routes`: (B, T, layers, k) MoE experts to replay (`kernels.moe_replay`), on the batch's
+    device; the shared prefix is then only as long as the rows' routes agree too."""
     keep = batch.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)  # predicting a trained token
     if keep.numel() == 0:  # nothing trained (a rank's silenced row): one position keeps the graph
         keep = torch.zeros(1, dtype=torch.long, device=batch.tokens.device)
-    prefix = shared_prefix(batch, limit=int(keep.min())) \
+    prefix = shared_prefix(batch, limit=int(keep.min()), routes=routes) \
         if share_prefix and not _fsdp_sharded(model) else 0
-    cache = None
-    if prefix:
-        from transformers import DynamicCache
+    with maybe_replay_routes(model, routes) as replayer:
+        cache = None
+        if prefix:
+            from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
-        model(input_ids=batch.tokens[:1, :prefix], past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
-        cache.batch_repeat_interleave(batch.tokens.shape[0])
-    logits = model(input_ids=batch.tokens[:, prefix:], attention_mask=batch.attention_mask,
-                   past_key_values=cache, use_cache=cache is not None,
-                   logits_to_keep=keep - prefix).logits.float()  # (B, K, V)
+            cache = DynamicCache(config=model.config)
+            replayer.routes = None if routes is None else routes[:1, :prefix]
+            model(input_ids=batch.tokens[:1, :prefix], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+            cache.batch_repeat_interleave(batch.tokens.shape[0])
+        replayer.routes = None if routes is None else routes[:, prefix:]
+        logits = model(input_ids=batch.tokens[:, prefix:], attention_mask=batch.attention_mask,
+                       past_key_values=cache, use_cache=cache is not None,
+                       logits_to_keep=keep - prefix).logits.float()  # (B, K, V)
     if isinstance(temperature, torch.Tensor):
         temps = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)  # (B,)
         logits = logits / temps[:, None, None]
@@ -137,14 +145,17 @@ def _fsdp_sharded(model: Any) -> bool:
 MIN_SHARED_PREFIX = 32  # tokens: below this a second forward costs more than it saves
 
 
-def shared_prefix(batch: TokenBatch, *, limit: int) -> int:
+def shared_prefix(batch: TokenBatch, *, limit: int, routes: torch.Tensor | None = None) -> int:
     """How many leading tokens every row of `batch` has in common (at most `limit`, the first
-    position whose logits are needed); 0 when that is under `MIN_SHARED_PREFIX` or there is one
-    row."""
+    position whose logits are needed), with the same replayed experts where `routes` are
+    given; 0 when that is under `MIN_SHARED_PREFIX` or there is one row."""
     tokens = batch.tokens
     if tokens.shape[0] < 2:
         return 0
-    same = ((tokens == tokens[:1]) & (batch.attention_mask == 1)).all(0)  # (T,)
+    same = (tokens == tokens[:1]) & (batch.attention_mask == 1)  # (B, T)
+    if routes is not None:
+        same &= (routes == routes[:1]).flatten(2).all(-1)
+    same = same.all(0)  # (T,)
     length = min(int(same.long().cumprod(0).sum()), limit)
     return length if length >= MIN_SHARED_PREFIX else 0
 
@@ -153,12 +164,15 @@ def shared_prefix(batch: TokenBatch, *, limit: int) -> int:
 class Rows:
     """One batch as plain lists (the leader sends it to the other ranks). Per row: token ids,
     loss mask, and, for a policy-gradient objective, behavior logprobs per token and an
-    advantage."""
+    advantage; `routes`, where given, the MoE experts the engine chose for the row's tokens
+    ((tokens, layers, k) int16, `kernels.moe_replay.NO_ROUTE` where it has none; None for a
+    row without), which the forward replays."""
 
     sequences: list[list[int]]
     masks: list[Sequence[float]]
     behavior: list[list[float]] | None = None
     advantages: list[float] | None = None
+    routes: list[np.ndarray | None] | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -167,7 +181,11 @@ class Rows:
         """Rows start, start+step, … (a rank's share)."""
         return Rows(self.sequences[start::step], self.masks[start::step],
                     None if self.behavior is None else self.behavior[start::step],
-                    None if self.advantages is None else self.advantages[start::step])
+                    None if self.advantages is None else self.advantages[start::step],
+                    None if self.routes is None else self.routes[start::step])
+
+    def replay_tensor(self, width: int) -> torch.Tensor | None:
+        return None if self.routes is None else stack_logged_routes(self.routes, width)
 
     def silenced(self) -> Rows:
         """The first row with nothing in its loss: what a rank without a row trains, so that
@@ -304,7 +322,9 @@ class Policy:
         advantages = (None if mine.advantages is None
                       else torch.tensor(mine.advantages, dtype=torch.float32))  # (B,)
         batch = batch.to(world.device)
-        logp = sequence_logprobs(self.served.model, batch, temperature=objective.temperature)
+        routes = mine.replay_tensor(batch.tokens.shape[1])
+        logp = sequence_logprobs(self.served.model, batch, temperature=objective.temperature,
+                                 routes=None if routes is None else routes.to(world.device))
         loss, metrics = objective.loss(
             logp, batch, None if behavior is None else behavior.to(world.device),
             None if advantages is None else advantages.to(world.device))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
+from ingest.rollout_events import RolloutTrajectory
 from serving.engine import GenerationRequest
 from trainer.policy import (
     MIN_SHARED_PREFIX,
@@ -86,21 +88,26 @@ def test_rollouts_on_a_caching_engine_have_the_policys_logprobs(model_dir: Path)
     assert ((logp - behavior).abs() * batch.loss_mask).max() < 1e-3
 
 
-def _logprobs_and_grads(policy: Policy, batch: TokenBatch, *, share_prefix: bool
+def _logprobs_and_grads(policy: Policy, batch: TokenBatch, *, share_prefix: bool,
+                        routes: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     policy.model.zero_grad()
-    logp = sequence_logprobs(policy.model, batch, share_prefix=share_prefix)
+    logp = sequence_logprobs(policy.model, batch, share_prefix=share_prefix, routes=routes)
     (logp * batch.loss_mask).sum().backward()
     return logp.detach(), {n: p.grad.clone() for n, p in policy.model.named_parameters()
                            if p.grad is not None}
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize(("batch_invariant", "replay"),
+                         [(False, False), (True, False), (True, True)])
 def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole_rows(
-        model_dir: Path, batch_invariant: bool) -> None:
+        model_dir: Path, batch_invariant: bool, replay: bool) -> None:
     """Rows opening with the same system prompt: the prefix goes through the layers once, and
     the logprobs and the gradient (which flows back through its key/value cache) are those of
-    one forward over whole rows; bit for bit under the batch-invariant kernels."""
+    one forward over whole rows; bit for bit under the batch-invariant kernels, and with MoE
+    routes replayed (experts no router chose: the prefix's the same in every row)."""
+    from kernels.moe_replay import NO_ROUTE, find_routers
+
     policy = Policy.load(model_dir, lr=1e-3, batch_invariant=batch_invariant)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(5, 2000, (MIN_SHARED_PREFIX + 20,), generator=generator).tolist()
@@ -108,10 +115,20 @@ def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole
             for n in (9, 23, 40)]
     trained_from = len(prefix) + 3  # the prefix and a little more are prompt
     batch = policy.batch(rows, [[0] * trained_from + [1] * (len(r) - trained_from) for r in rows])
-    assert shared_prefix(batch, limit=trained_from - 1) == len(prefix)
+    routes = None
+    if replay:
+        config = policy.model.config
+        shape = (len(rows), batch.tokens.shape[1], len(find_routers(policy.model)),
+                 config.num_experts_per_tok)
+        routes = torch.randint(0, config.num_experts, shape, generator=generator,
+                               dtype=torch.int16)
+        routes[:, :len(prefix)] = routes[:1, :len(prefix)]
+        routes[batch.attention_mask == 0] = NO_ROUTE
+        routes[:, :, :, 1] = (routes[:, :, :, 0] + 1) % config.num_experts  # k distinct experts
+    assert shared_prefix(batch, limit=trained_from - 1, routes=routes) == len(prefix)
 
-    shared, shared_grads = _logprobs_and_grads(policy, batch, share_prefix=True)
-    whole, whole_grads = _logprobs_and_grads(policy, batch, share_prefix=False)
+    shared, shared_grads = _logprobs_and_grads(policy, batch, share_prefix=True, routes=routes)
+    whole, whole_grads = _logprobs_and_grads(policy, batch, share_prefix=False, routes=routes)
     assert shared_grads.keys() == whole_grads.keys() and whole_grads
     if batch_invariant:
         assert torch.equal(shared, whole)
@@ -120,3 +137,50 @@ def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole
     for name, grad in whole_grads.items():  # float sums in another order: close in norm
         error = float((shared_grads[name] - grad).norm())
         assert error <= 1e-4 * float(grad.norm()) + 1e-7, (name, error, float(grad.norm()))
+
+
+def test_the_bootstrap_learner_replays_the_experts_the_engine_routed(model_dir: Path) -> None:
+    """Router replay in the bootstrap's GRPO learner, batch-invariant mode: multi-turn
+    episodes carry their tokens' experts, and the learner's forward (through its shared
+    prefix) computes the engine's logprobs exactly: max |dlogprob| 0. Routes changed on the
+    way reach its logprobs, so they are what it computes with."""
+    import numpy as np
+
+    from ingest.events import PackedArray
+    from serving.torch_engine import TorchEngine
+    from simulate.harness import Harness
+    from simulate.rollouts import SandboxCache, rollout_group
+    from simulate.tasks import BuiltinTaskSource
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import OfflineTrainer
+
+    policy = Policy.load(model_dir, lr=1e-3, batch_invariant=True)
+    cfg = BootstrapSettings(max_turns=2, max_tokens=12)
+    engine = TorchEngine(policy.unsharded_model().eval(), policy.tokenizer, seed=0,
+                         batch_invariant=True)
+    try:
+        harness = Harness.on_engine(engine, cfg.harness(temperature=1.0))
+        task = BuiltinTaskSource(0.2).split("train")[0]
+        group = asyncio.run(rollout_group(harness, task, group_size=3, cache=SandboxCache(),
+                                          seed=0))
+    finally:
+        engine.close()
+    # the tiny random model solves nothing: rewards set apart so that the group has a signal
+    trajectories = [t.model_copy(update={"reward": float(i)})
+                    for i, t in enumerate(group.trajectories)]
+    group = group.model_copy(update={"trajectories": trajectories})
+    assert all(t.routed_experts is not None for t in group.trajectories)
+    learner = OfflineTrainer.from_settings(copy.deepcopy(policy), cfg)
+    replayed = learner.step([group])
+    assert replayed["max_abs_logprob_diff"] == 0.0
+
+    experts = policy.model.config.num_experts
+
+    def moved(traj: RolloutTrajectory) -> RolloutTrajectory:  # every expert index + 1
+        routes = traj.routed_experts.unpack()  # type: ignore[union-attr]
+        shifted = np.where(routes >= 0, (routes + 1) % experts, routes)
+        return traj.model_copy(update={"routed_experts": PackedArray.pack(shifted, "int16")})
+
+    other = group.model_copy(update={"trajectories": [moved(t) for t in trajectories]})
+    changed = OfflineTrainer.from_settings(copy.deepcopy(policy), cfg).step([other])
+    assert changed["max_abs_logprob_diff"] > 0.0

@@ -70,6 +70,10 @@ class BootstrapSettings(BaseModel):
     max_turns: int = Field(default=3, ge=1)
     context_budget: int = Field(default=1024, ge=64)
     clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
+    # the learner's MoE routers use the experts the workers' engines chose for each token
+    # (kernels/moe_replay.py): a stale or numerically different forward then still computes
+    # the logprobs of the experts that sampled the tokens. False: its routers choose again
+    router_replay: bool = True
     is_cap: float = Field(default=2.0, gt=0)  # truncated IS against behavior logprobs
     # where the clip's ratio is anchored (trainer.grpo). "behavior": the logprobs the rollout
     # was sampled with, so the clip bounds how far a stale batch moves the policy, and is_cap

@@ -82,9 +82,10 @@ class OfflineTrainer:
     """GRPO on `RolloutGroup`s: one optimizer step per trainer step."""
 
     def __init__(self, policy: Policy, loss: GRPOLossConfig, *, temperature: float,
-                 clip_anchor: ClipAnchor = "trainer") -> None:
+                 clip_anchor: ClipAnchor = "trainer", router_replay: bool = True) -> None:
         self.policy = policy
         self.objective = GrpoObjective(loss, temperature, clip_anchor, loss.aggregation)
+        self.router_replay = router_replay
 
     @classmethod
     def from_settings(cls, policy: Policy, cfg: BootstrapSettings) -> OfflineTrainer:
@@ -93,13 +94,17 @@ class OfflineTrainer:
                                   dual_clip=cfg.is_cap)
         else:
             loss = GRPOLossConfig(clip_low=cfg.clip, clip_high=cfg.clip, is_cap=cfg.is_cap)
-        return cls(policy, loss, temperature=cfg.temperature, clip_anchor=cfg.clip_anchor)
+        return cls(policy, loss, temperature=cfg.temperature, clip_anchor=cfg.clip_anchor,
+                   router_replay=cfg.router_replay)
 
     @staticmethod
-    def rows(groups: list[RolloutGroup]) -> tuple[Rows, dict[str, float]]:
-        """The groups' trainable segments with their advantages, and the groups' metrics.
-        A group whose rewards are all equal has no signal (every advantage is 0): left out."""
-        rows = Rows([], [], [], [])
+    def rows(groups: list[RolloutGroup], *, routes: bool = True
+             ) -> tuple[Rows, dict[str, float]]:
+        """The groups' trainable segments with their advantages (and, with `routes`, the
+        experts the workers' engines routed their tokens to, for the learner to replay), and
+        the groups' metrics. A group whose rewards are all equal has no signal (every
+        advantage is 0): left out."""
+        rows = Rows([], [], [], [], [] if routes else None)
         rewards = []
         for group in groups:
             r = torch.tensor([t.reward for t in group.trajectories])  # (N,)
@@ -113,6 +118,8 @@ class OfflineTrainer:
                     rows.masks.append(seg.loss_mask)
                     rows.behavior.append(seg.logprobs)  # type: ignore[union-attr]
                     rows.advantages.append(a)  # type: ignore[union-attr]
+                    if rows.routes is not None:
+                        rows.routes.append(seg.routes)
         all_rewards = torch.cat(rewards)
         metrics = {"reward": float(all_rewards.mean()),
                    "solved": sum(solved(t) for g in groups for t in g.trajectories)
@@ -124,7 +131,7 @@ class OfflineTrainer:
     def step(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """One optimizer step on the groups, at the policy's current rate (a step with no
         signal still advances the version, the schedule's clock)."""
-        rows, metrics = self.rows(groups)
+        rows, metrics = self.rows(groups, routes=self.router_replay)
         if len(rows):
             metrics |= self.policy.train_step(rows, self.objective, self.policy.lr)
         else:

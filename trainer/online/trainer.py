@@ -37,6 +37,7 @@ import torch
 
 from ingest.events import ExperienceReady
 from ingest.topic_reader import Offsets
+from kernels.moe_replay import stack_logged_routes
 from kernels.weights import checkpoint_dtype, state_dict_sha256
 from trainer.checkpoint import CheckpointStore, Ledger, LedgerEntry
 from trainer.distributed import (
@@ -194,22 +195,16 @@ class OnlineTrainer:
         """(B, T) logprobs of every token, per-row temperature, logged routes replayed."""
         temps = torch.tensor([r.temperature for r in rows], device=batch.tokens.device)
         routes = self._routes(rows, batch.tokens.shape[1])
-        with _maybe_replay(model, routes):  # replayed routes are per (row, token): no sharing
-            return sequence_logprobs(model, batch, temperature=temps,
-                                     share_prefix=routes is None)
+        return sequence_logprobs(model, batch, temperature=temps, routes=routes)
 
     def _routes(self, rows: Sequence[Row], length: int) -> torch.Tensor | None:
         """The logged routes to replay; a row logged without routes (a backend that cannot
         capture them, `GenerationLogged.routes_absent`) is all NO_ROUTE: its router decides."""
-        if not self.cfg.router_replay or all(r.routes is None for r in rows):
+        if not self.cfg.router_replay:
             return None
-        from kernels.moe_replay import stack_routes
-
-        logged = {i: torch.from_numpy(r.routes.unpack().copy())
-                  for i, r in enumerate(rows) if r.routes is not None}
-        shape = (0, *next(iter(logged.values())).shape[1:])
-        seqs = [logged.get(i, torch.empty(shape, dtype=torch.int16)) for i in range(len(rows))]
-        return stack_routes(seqs, length).to(self.world.device)  # (B, T, L, K)
+        routes = stack_logged_routes(
+            [None if r.routes is None else r.routes.unpack() for r in rows], length)
+        return None if routes is None else routes.to(self.world.device)  # (B, T, L, K)
 
     def _my_rows(self, rows: list[Row]) -> list[Row]:
         """Rows r, r+N, … of the batch; a rank left without any trains a copy of the first
@@ -337,19 +332,3 @@ class OnlineTrainer:
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """The rate's share at (0-based) `step`: rising linearly to 1 over `warmup_steps`."""
     return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _maybe_replay(model: Any, routes: torch.Tensor | None) -> Any:
-    if routes is None:
-        return _NullContext()
-    from kernels.moe_replay import replay_routes
-
-    return replay_routes(model, routes)
