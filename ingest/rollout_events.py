@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from ingest.events import SCHEMA_VERSION, PackedArray, utcnow
 
-ROLLOUT_SCHEMA_VERSION: Final = 3  # 2: each trajectory's anti-cheat flags; 3: job_id, worker
+# 2: each trajectory's anti-cheat flags; 3: job_id, worker; 4: each trajectory's ended_by
+ROLLOUT_SCHEMA_VERSION: Final = 4
 
 
 class RolloutTrajectory(BaseModel):
@@ -26,9 +27,11 @@ class RolloutTrajectory(BaseModel):
     `token_ids`, `loss_mask` (1 = model token) and `logprobs` (behavior policy, 0 where the
     mask is 0) have one entry per token; `segment_lengths` splits them into the context windows
     (self-summarization starts a new one) and sums to their length. `routed_experts`, when
-    present, has one row per token (rows past what the engine routed are zero padding).
-    `flags` are the anti-cheat checks that zeroed `reward` (`simulate.rewards`); [] when
-    clean.
+    present, has one row per token (rows past what the engine routed are -1, no route; zero
+    padding in records before version 4). `flags` are the anti-cheat checks that zeroed
+    `reward` (`simulate.rewards`); [] when clean. `ended_by`: what ended the episode, the
+    agent's `finish` call, its turn budget, or a context with no room for another turn
+    (None before version 4).
     """
 
     token_ids: PackedArray
@@ -40,6 +43,7 @@ class RolloutTrajectory(BaseModel):
     turns: int = Field(ge=0)
     finished: bool
     flags: list[str] = Field(default_factory=list)
+    ended_by: Literal["finished", "turns", "context"] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> RolloutTrajectory:
@@ -60,7 +64,7 @@ class RolloutGroup(BaseModel):
     version 1-2 records have neither."""
 
     event: Literal["RolloutGroup"] = "RolloutGroup"
-    schema_version: Literal[1, 2, 3] = ROLLOUT_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = ROLLOUT_SCHEMA_VERSION
     group_id: str = Field(min_length=1, max_length=128)
     task_id: str = Field(min_length=1, max_length=256)
     policy_version: int = Field(ge=0)

@@ -38,7 +38,14 @@ import httpx
 import openai
 
 from ingest.signing import SIGNATURE_HEADER, sign
-from simulate.harness import Harness, HarnessConfig, ModelTurn, Sampling, Trajectory
+from simulate.harness import (
+    ContextFull,
+    Harness,
+    HarnessConfig,
+    ModelTurn,
+    Sampling,
+    Trajectory,
+)
 from simulate.rollouts import SandboxCache, TaskEnvironment
 from simulate.tasks import Task
 from simulate.tools import ToolCall, render_call
@@ -92,11 +99,16 @@ class ChatTurns:
         return window.tokens
 
     async def reply(self, window: ChatWindow, sampling: Sampling) -> ModelTurn:
-        reply = await self.client.chat.completions.create(
-            model="flywheel", messages=window.messages,  # type: ignore[arg-type]
-            tools=window.tools, max_tokens=sampling.max_tokens,  # type: ignore[arg-type]
-            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-            user=self.user, extra_body={"session_id": self.session_id})
+        try:
+            reply = await self.client.chat.completions.create(
+                model="flywheel", messages=window.messages,  # type: ignore[arg-type]
+                tools=window.tools, max_tokens=sampling.max_tokens,  # type: ignore[arg-type]
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                user=self.user, extra_body={"session_id": self.session_id})
+        except openai.BadRequestError as exc:
+            if exc.code == "context_length_exceeded":  # the episode ends by its context
+                raise ContextFull(str(exc)) from exc
+            raise
         message = reply.choices[0].message
         calls = [ToolCall(c.function.name, json.loads(c.function.arguments), c.id)
                  for c in message.tool_calls or [] if c.type == "function"]

@@ -23,15 +23,17 @@ nudge), sample the model's turn and get its tool calls. Two backends:
 A turn without a call gets a user message asking for one. Self-summarization: when the
 context passes `context_budget` tokens, the harness asks the model to summarize its progress;
 the summary is sampled (and trained) like any model turn, then a fresh context starts from
-the system prompt, the task and that summary. Each context window is one segment; a
-trajectory is the list of its segments, all sharing the episode's reward.
+the system prompt, the task and that summary (at most `max_summaries` times). Each context
+window is one segment; a trajectory is the list of its segments, all sharing the episode's
+reward. A window with no room for another turn (`ContextFull`) ends the episode, scored as it
+stands, with `ended_by = "context"`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -95,6 +97,12 @@ class Sampling:
 
 
 W = TypeVar("W")
+EndedBy = Literal["finished", "turns", "context"]
+
+
+class ContextFull(Exception):
+    """A model's window has no room for another turn: the episode ends there, by its context
+    (`Trajectory.ended_by`), scored on the workspace as it stands."""
 
 
 class ModelTurns(Protocol[W]):
@@ -125,7 +133,7 @@ class ModelTurns(Protocol[W]):
         ...
 
     async def reply(self, window: W, sampling: Sampling) -> ModelTurn:
-        """Sample the model's turn into `window`."""
+        """Sample the model's turn into `window`; `ContextFull` when it has no room for one."""
         ...
 
 
@@ -162,6 +170,8 @@ class Trajectory(Generic[W]):
     turns: int = 0
     summaries: int = 0
     finished: bool = False
+    # the agent's finish call, its turn budget, or a context with no room for another turn
+    ended_by: EndedBy = "turns"
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded
     flags: list[str] = field(default_factory=list)  # anti-cheat: why the reward is 0
 
@@ -242,6 +252,8 @@ class EngineTurns:
 
     async def reply(self, window: Segment, sampling: Sampling) -> ModelTurn:
         budget = self.engine.max_context - len(window)
+        if budget < 1:
+            raise ContextFull(f"{len(window)} tokens fill the context ({self.engine.max_context})")
         result = await self.engine.generate(GenerationRequest(
             prompt_token_ids=list(window.token_ids),
             max_tokens=min(sampling.max_tokens, max(1, budget)),
@@ -279,6 +291,16 @@ class Harness(Generic[W]):
         version = policy_version if policy_version is not None else self.model.version
         window = self.model.open(env.tools(), env.system_prompt(), env.task_prompt())
         traj = Trajectory(task_id=task_id, segments=[window], policy_version=version)
+        try:
+            await self._turns(env, traj, seed)
+        except ContextFull:
+            traj.ended_by = "context"
+        reward = await asyncio.to_thread(env.reward)
+        traj.reward, traj.flags = reward.value, reward.flags
+        return traj
+
+    async def _turns(self, env: ToolEnvironment, traj: Trajectory[W], seed: int | None) -> None:
+        window = traj.segments[-1]
         for turn in range(self.config.max_turns):
             if self.model.length(window) > self.config.context_budget \
                     and traj.summaries < self.config.max_summaries:
@@ -293,12 +315,9 @@ class Harness(Generic[W]):
             # episodes of the batch keep decoding meanwhile
             observations, done = await asyncio.to_thread(env.step, said.calls)
             if done:
-                traj.finished = True
-                break
+                traj.finished, traj.ended_by = True, "finished"
+                return
             self.model.add_results(window, list(zip(said.calls, observations, strict=False)))
-        reward = await asyncio.to_thread(env.reward)
-        traj.reward, traj.flags = reward.value, reward.flags
-        return traj
 
     def _sampling(self, seed: int | None) -> Sampling:
         return Sampling(max_tokens=self.config.max_tokens, temperature=self.config.temperature,

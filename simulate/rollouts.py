@@ -15,6 +15,7 @@ import hashlib
 import tempfile
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,7 @@ def pack_trajectory(traj: Trajectory[Segment]) -> RolloutTrajectory:
         logprobs=PackedArray.pack([p for s in segments for p in s.logprobs], "float32"),
         segment_lengths=PackedArray.pack([len(s) for s in segments], "int32"),
         routed_experts=routes, reward=traj.reward, turns=traj.turns, finished=traj.finished,
-        flags=traj.flags)
+        flags=traj.flags, ended_by=traj.ended_by)
 
 
 def _pad_rows(routes: np.ndarray, rows: int) -> np.ndarray:
@@ -169,6 +170,16 @@ def _pad_rows(routes: np.ndarray, rows: int) -> np.ndarray:
     routes = np.asarray(routes, dtype=np.int16)[:rows]
     pad = np.full((rows - len(routes), *routes.shape[1:]), NO_ROUTE, dtype=np.int16)
     return np.concatenate([routes, pad])
+
+
+def episode_shape(episodes: Sequence[RolloutTrajectory]) -> dict[str, float]:
+    """How long the episodes ran: turns and summaries per episode, tokens per context window,
+    and the share ended by a context with no room for another turn."""
+    windows = [int(n) for t in episodes for n in t.segment_lengths.unpack()]
+    return {"turns_per_episode": sum(t.turns for t in episodes) / len(episodes),
+            "summaries_per_episode": (len(windows) - len(episodes)) / len(episodes),
+            "tokens_per_window": sum(windows) / len(windows),
+            "ended_by_context": sum(t.ended_by == "context" for t in episodes) / len(episodes)}
 
 
 def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:

@@ -49,6 +49,15 @@ def test_developers_run_agent_sessions_over_http_and_judge_them(settings: Settin
         asyncio.run(population.run(until=lambda: population.stats.sessions >= 4))
         sessions = read_all(stack.kafka, stack.kafka.topics.sessions, GenerationLogged)
         feedback = read_all(stack.kafka, stack.kafka.topics.feedback, FeedbackReceived)
+        # a session that fills the model's context: the server's context_length_exceeded
+        # ends the agent's episode by its context, judged, not a failed request
+        long = DeveloperSettings(concurrency=1, noise=0.0, max_delay_s=0.05,
+                                 harness=HarnessConfig(max_turns=100, max_tokens=256,
+                                                       max_summaries=0))
+        filled = DeveloperPopulation(stack.base_url, tasks[:1], secret="dev-secret",
+                                     settings=long, workdir=settings.data_dir)
+        asyncio.run(filled.run(until=lambda: filled.stats.sessions >= 1))
+    assert filled.stats.failed_requests == 0 and filled.stats.feedback_sent == 1
     stats = population.stats
     assert stats.failed_requests == 0 and stats.feedback_sent == stats.sessions >= 4
     assert stats.by_version[0].sessions == stats.sessions  # one version served them all

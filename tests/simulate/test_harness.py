@@ -103,6 +103,32 @@ def test_self_summarization_starts_a_fresh_context(engine, task, tmp_path: Path)
     assert [s.token_ids for s in unpack_segments(packed)] == [first.token_ids, second.token_ids]
 
 
+def test_an_episode_whose_context_fills_ends_by_its_context(engine, task,
+                                                            tmp_path: Path) -> None:
+    """Summaries used up, the window grows to the model's context: the episode ends there,
+    with its reason and its reward, instead of the engine's error; its routes travel with it,
+    no route (-1) after the last engine call."""
+    from simulate.rollouts import episode_shape
+
+    harness = Harness.on_engine(engine, HarnessConfig(max_turns=100, max_tokens=256,
+                                                      context_budget=600, max_summaries=1))
+    env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
+    traj = asyncio.run(harness.run(env, task_id=task.task_id, seed=3))
+    assert traj.ended_by == "context" and traj.summaries == 1 and not traj.finished
+    assert len(traj.segments[-1]) >= engine.max_context - 2  # the closing tag and newline
+    assert traj.reward == env.reward().value
+    packed = pack_trajectory(traj)
+    assert packed.ended_by == "context"
+    shape = episode_shape([packed])
+    assert shape["ended_by_context"] == 1.0 and shape["summaries_per_episode"] == 1.0
+    assert shape["turns_per_episode"] == traj.turns
+    if packed.routed_experts is not None:
+        routes = [s.routes for s in unpack_segments(packed)]
+        assert all(r is not None and r.shape[0] == len(s) for r, s in
+                   zip(routes, traj.segments, strict=True))
+        assert (routes[-1][-1] == -1).all()  # the newline after the last call: no route
+
+
 def test_environment_rewards_a_correct_write(task, tmp_path: Path) -> None:
     env = TaskEnvironment(task, tmp_path / "w", SandboxCache())
     assert env.reward().value == 0.0  # the prompt alone has no body

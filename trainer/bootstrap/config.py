@@ -68,7 +68,10 @@ class BootstrapSettings(BaseModel):
     temperature: float = Field(default=1.0, gt=0, le=2.0)
     max_tokens: int = Field(default=64, ge=4)  # per turn; the longest edit is ~50
     max_turns: int = Field(default=3, ge=1)
+    # self-summarization: past context_budget tokens the agent summarizes its work and goes on
+    # in a fresh window from the summary, at most max_summaries times an episode
     context_budget: int = Field(default=1024, ge=64)
+    max_summaries: int = Field(default=2, ge=0)
     clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
     # the learner's MoE routers use the experts the workers' engines chose for each token
     # (kernels/moe_replay.py): a stale or numerically different forward then still computes
@@ -127,7 +130,8 @@ class BootstrapSettings(BaseModel):
         from simulate.harness import HarnessConfig
 
         return HarnessConfig(max_turns=self.max_turns, max_tokens=self.max_tokens,
-                             temperature=temperature, context_budget=self.context_budget)
+                             temperature=temperature, context_budget=self.context_budget,
+                             max_summaries=self.max_summaries)
 
     def worker_options(self, worker_id: str, *, batch_invariant: bool) -> WorkerOptions:
         """A rollout worker's options at these settings (the bootstrap's own workers and

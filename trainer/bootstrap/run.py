@@ -30,6 +30,7 @@ from serving.torch_engine import TorchEngine
 from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
+    episode_shape,
     pass_rate,
     rollout_group,
     run_once,
@@ -121,11 +122,12 @@ class OfflineTrainer:
                     if rows.routes is not None:
                         rows.routes.append(seg.routes)
         all_rewards = torch.cat(rewards)
+        episodes = [t for g in groups for t in g.trajectories]
         metrics = {"reward": float(all_rewards.mean()),
-                   "solved": sum(solved(t) for g in groups for t in g.trajectories)
-                   / len(all_rewards), "trained_sequences": float(len(rows)),
-                   "cheating_flagged": float(sum(bool(t.flags) for g in groups
-                                                 for t in g.trajectories))}
+                   "solved": sum(solved(t) for t in episodes) / len(episodes),
+                   "trained_sequences": float(len(rows)),
+                   "cheating_flagged": float(sum(bool(t.flags) for t in episodes)),
+                   **episode_shape(episodes)}
         return rows, metrics
 
     def step(self, groups: list[RolloutGroup]) -> dict[str, float]:
