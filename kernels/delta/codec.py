@@ -35,14 +35,9 @@ import xxhash
 from pydantic import BaseModel, Field
 
 from kernels.delta.classes import ChunkClasses, walk_classes
-from kernels.delta.exponent import (
-    ExponentStreamError,
-    applies_to,
-    decode_exponent_nibble,
-    encode_exponent_nibble,
-)
+from kernels.delta.exponent import applies_to, decode_exponent_nibble, encode_exponent_nibble
 from kernels.delta.manifest import Codec
-from kernels.delta.nibble import NibbleStreamError, NibbleUpdate, decode_nibble, encode_nibble
+from kernels.delta.nibble import NibbleUpdate, decode_nibble, encode_nibble
 from kernels.delta.planes import decode_planes, encode_planes
 from kernels.delta.streams import (
     CHUNK,
@@ -234,15 +229,9 @@ def decode_tensor(
         values = decode_planes(frames, live) ^ live
         return Decoded(DenseUpdate(values), xxh3_hex(live), xxh3_hex(values))
     if codec == "nibble":
-        try:
-            return Decoded(*decode_nibble(frames, live, backward))
-        except NibbleStreamError as exc:
-            raise CorruptStreamError(str(exc)) from exc
+        return Decoded(*decode_nibble(frames, live, backward))
     if codec == "exponent_nibble":
-        try:
-            values, live_hash, result_hash = decode_exponent_nibble(frames, live, dtype, backward)
-        except ExponentStreamError as exc:
-            raise CorruptStreamError(str(exc)) from exc
+        values, live_hash, result_hash = decode_exponent_nibble(frames, live, dtype, backward)
         return Decoded(DenseUpdate(values), live_hash, result_hash)
     if codec == "sparse" and not thresholds:
         return decode_sparse_flat(frames, live, counts, backward)

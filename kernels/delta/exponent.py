@@ -29,10 +29,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels.delta.nibble import BIAS, ESCAPE, compress_symbols, pack_symbols, unpack_symbols
+from kernels.delta.nibble import (
+    BIAS,
+    compress_symbols,
+    nibble_symbols,
+    pack_symbols,
+    unpack_symbols,
+)
 from kernels.delta.streams import (
     MANTISSA_BITS,
-    SINT,
+    CorruptStreamError,
     compress,
     decompress,
     gaps_to_symbols,
@@ -43,10 +49,6 @@ from kernels.delta.streams import (
 
 MIN_GROUP = 4096  # elements: a smaller exponent group costs more in frame headers than it saves
 FIXED_STREAMS = 6
-
-
-class ExponentStreamError(ValueError):
-    """Decoded exponent-nibble streams that do not fit the tensor."""
 
 
 MISFIT = "misfit"  # the result hash of streams that do not fit the live tensor's groups
@@ -88,9 +90,7 @@ def encode_exponent_nibble(base: np.ndarray, diff: np.ndarray, dtype: torch.dtyp
     """Streams for the wrapped differences `diff` (n,) uint of the tensor at `base` (n,)."""
     exps = exponents(base, dtype)
     crossers = np.flatnonzero(exps != exponents(base + diff, dtype))
-    signed = diff.view(SINT[diff.dtype.itemsize])
-    small = (signed >= -7) & (signed <= 7)
-    symbols = np.where(small, signed + BIAS, ESCAPE).astype(np.uint8)
+    symbols, small = nibble_symbols(diff)
     grouped = np.ones(diff.size, bool)
     grouped[crossers] = False
     escaped = np.flatnonzero(~small & grouped)
@@ -106,18 +106,18 @@ def encode_exponent_nibble(base: np.ndarray, diff: np.ndarray, dtype: torch.dtyp
 def decode_exponent_nibble(frames: Sequence[memoryview], live: np.ndarray, dtype: torch.dtype,
                            backward: bool) -> tuple[np.ndarray, str, str]:
     """(the new bit patterns, xxh3 of `live`, xxh3 of the result). Raises
-    `ExponentStreamError` for streams that fit no tensor. Streams that do not fit the groups
+    `CorruptStreamError` for streams that fit no tensor. Streams that do not fit the groups
     `live` makes mean it is neither end of the delta (or a group's stream is corrupt): `live`
     unchanged, its hash, and `MISFIT` for the result, which no tensor hashes to, so the
     caller's hash checks refuse it as the one or the other."""
     if len(frames) < FIXED_STREAMS:
-        raise ExponentStreamError("exponent_nibble codec: too few streams")
+        raise CorruptStreamError("exponent_nibble codec: too few streams")
     crossers = _positions(frames[0], frames[1], live.size)
     crossed = decompress(frames[2], live.dtype)
     escaped = _positions(frames[3], frames[4], live.size)
     remainders = decompress(frames[5], live.dtype)
     if crossed.size != crossers.size or remainders.size != escaped.size:
-        raise ExponentStreamError("exponent_nibble codec: streams of different lengths")
+        raise CorruptStreamError("exponent_nibble codec: streams of different lengths")
     groups = groups_of(exponents(live, dtype), crossers)
     if len(frames) != FIXED_STREAMS + len(groups):
         return _misfit(live)
@@ -143,5 +143,5 @@ def _positions(symbols: memoryview, overflows: memoryview, size: int) -> np.ndar
                                     decompress(overflows, np.uint64))
     if positions.size and not (0 <= positions[0] and positions[-1] < size
                                and (np.diff(positions) > 0).all()):
-        raise ExponentStreamError("exponent_nibble codec: positions outside the tensor")
+        raise CorruptStreamError("exponent_nibble codec: positions outside the tensor")
     return positions

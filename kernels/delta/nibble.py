@@ -24,6 +24,7 @@ import zstandard
 
 from kernels.delta.streams import (
     SINT,
+    CorruptStreamError,
     compress,
     decompress,
     gaps_to_symbols,
@@ -35,15 +36,17 @@ BIAS = 8
 ESCAPE = 0
 
 
-class NibbleStreamError(ValueError):
-    """Decoded nibble streams that do not fit the tensor."""
+def nibble_symbols(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(symbols, small) for the wrapped differences `diff` (n,) uint: symbols (n,) uint8,
+    d + BIAS where |d| <= 7 (`small`, (n,) bool) and ESCAPE elsewhere."""
+    signed = diff.view(SINT[diff.dtype.itemsize])
+    small = (signed >= -7) & (signed <= 7)
+    return np.where(small, signed + BIAS, ESCAPE).astype(np.uint8), small
 
 
 def encode_nibble(diff: np.ndarray, level: int, threads: int) -> list[bytes]:
     """Streams of the nibble codec for the wrapped differences `diff` (n,) uint."""
-    signed = diff.view(SINT[diff.dtype.itemsize])
-    small = (signed >= -7) & (signed <= 7)
-    symbols = np.where(small, signed + BIAS, ESCAPE).astype(np.uint8)
+    symbols, small = nibble_symbols(diff)
     escaped = np.flatnonzero(~small)
     gap_syms, gap_esc = gaps_to_symbols(escaped)
     remainders = diff[escaped] + diff.dtype.type(BIAS)
@@ -96,14 +99,14 @@ def decode_nibble(
 ) -> tuple[NibbleUpdate, str, str]:
     """(the update, xxh3 of `live`, xxh3 of the result), hashing both in one pass over `live`."""
     if len(frames) != 4:
-        raise NibbleStreamError("nibble codec: wrong number of streams")
+        raise CorruptStreamError("nibble codec: wrong number of streams")
     packed = decompress(frames[0], np.uint8)
     escaped = symbols_to_ordinals(decompress(frames[1], np.uint8),
                                   decompress(frames[2], np.uint64))
     remainders = decompress(frames[3], live.dtype)
     if packed.size != (live.size + 1) // 2 or remainders.size != escaped.size or (
             escaped.size and not 0 <= escaped[0] <= escaped[-1] < live.size):
-        raise NibbleStreamError("nibble codec: streams do not fit the tensor")
+        raise CorruptStreamError("nibble codec: streams do not fit the tensor")
     update = NibbleUpdate(packed, escaped, remainders, backward)
     cuts = np.searchsorted(escaped, np.arange(0, live.size + CHUNK, CHUNK))
     live_hash, result_hash = xxhash.xxh3_128(), xxhash.xxh3_128()
