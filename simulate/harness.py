@@ -169,11 +169,15 @@ class Trajectory(Generic[W]):
     reward: float = 0.0
     turns: int = 0
     summaries: int = 0
-    finished: bool = False
     # the agent's finish call, its turn budget, or a context with no room for another turn
     ended_by: EndedBy = "turns"
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded
     flags: list[str] = field(default_factory=list)  # anti-cheat: why the reward is 0
+
+    @property
+    def finished(self) -> bool:
+        """The agent ended the episode itself (its `finish` call)."""
+        return self.ended_by == "finished"
 
 
 def model_tokens(trajectory: Trajectory[Segment]) -> int:
@@ -315,7 +319,7 @@ class Harness(Generic[W]):
             # episodes of the batch keep decoding meanwhile
             observations, done = await asyncio.to_thread(env.step, said.calls)
             if done:
-                traj.finished, traj.ended_by = True, "finished"
+                traj.ended_by = "finished"
                 return
             self.model.add_results(window, list(zip(said.calls, observations, strict=False)))
 
