@@ -120,3 +120,34 @@ def test_stack_routes_places_sequences_at_offsets() -> None:
     assert out.shape == (2, 4, 4, 2) and out.dtype == torch.int16
     assert (out[0, 0] == NO_ROUTE).all() and (out[0, 1:] == 1).all()
     assert (out[1, :2] == 5).all() and (out[1, 2:] == NO_ROUTE).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_trainers_shared_prefix_under_replay_is_bit_exact(device: str) -> None:
+    """The trainer's forward (trainer/policy.py) with a prefix shared by every row and replayed
+    routes: the prefix once, then the rows over its key/value cache, gives the logprobs of one
+    forward over whole rows bit for bit in the batch-invariant mode (on CUDA: the Triton
+    kernels); the gradient reaches the router through both calls."""
+    from trainer.policy import MIN_SHARED_PREFIX, TokenBatch, sequence_logprobs, shared_prefix
+
+    model = enable_batch_invariant(tiny_model().to(device))
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(5, 512, (MIN_SHARED_PREFIX + 8,), generator=g).tolist()
+    rows = [prefix + torch.randint(5, 512, (n,), generator=g).tolist() for n in (7, 19, 30)]
+    start = len(prefix) + 2
+    batch = TokenBatch.from_sequences(
+        rows, [[0] * start + [1] * (len(r) - start) for r in rows], pad_id=0)
+    routes = torch.randint(0, 8, (3, batch.tokens.shape[1], 4, 2), generator=g,
+                           dtype=torch.int16)
+    routes[:, :len(prefix)] = routes[:1, :len(prefix)]
+    routes[:, :, :, 1] = (routes[:, :, :, 0] + 1) % 8  # two distinct experts per token
+    routes[batch.attention_mask == 0] = NO_ROUTE
+    assert shared_prefix(batch, limit=start - 1, routes=routes) == len(prefix)
+    batch, routes = batch.to(torch.device(device)), routes.to(device)
+
+    shared = sequence_logprobs(model, batch, share_prefix=True, routes=routes)
+    (shared * batch.loss_mask).sum().backward()
+    whole = sequence_logprobs(model, batch, share_prefix=False, routes=routes)
+    assert torch.equal(shared.detach(), whole.detach())
+    router = find_routers(model)[0]
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
