@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import tempfile
 import threading
 import uuid
@@ -180,6 +181,16 @@ def episode_shape(episodes: Sequence[RolloutTrajectory]) -> dict[str, float]:
             "summaries_per_episode": (len(windows) - len(episodes)) / len(episodes),
             "tokens_per_window": sum(windows) / len(windows),
             "ended_by_context": sum(t.ended_by == "context" for t in episodes) / len(episodes)}
+
+
+def mean_episode_shape(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """`episode_shape`'s figures over a run: the mean of its steps' (each trains as many
+    episodes), rounded; NaN where no step reported them."""
+    keys = ("turns_per_episode", "summaries_per_episode", "tokens_per_window",
+            "ended_by_context")
+    shaped = [step for step in steps if keys[0] in step]
+    return {k: round(sum(step[k] for step in shaped) / len(shaped), 3) if shaped else math.nan
+            for k in keys}
 
 
 def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:

@@ -31,6 +31,7 @@ from simulate.rollouts import (
     SandboxCache,
     TaskOutcome,
     episode_shape,
+    mean_episode_shape,
     pass_rate,
     rollout_group,
     run_once,
@@ -121,9 +122,8 @@ class OfflineTrainer:
                     rows.advantages.append(a)  # type: ignore[union-attr]
                     if rows.routes is not None:
                         rows.routes.append(seg.routes)
-        all_rewards = torch.cat(rewards)
         episodes = [t for g in groups for t in g.trajectories]
-        metrics = {"reward": float(all_rewards.mean()),
+        metrics = {"reward": float(torch.cat(rewards).mean()),
                    "solved": sum(solved(t) for t in episodes) / len(episodes),
                    "trained_sequences": float(len(rows)),
                    "cheating_flagged": float(sum(bool(t.flags) for t in episodes)),
@@ -381,7 +381,8 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, end_eval)
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
-               "cheating_flagged": flagged, "wall_s": round(time.monotonic() - start, 1)}
+               "cheating_flagged": flagged, **mean_episode_shape(run.history)}
+    summary["wall_s"] = round(time.monotonic() - start, 1)
     details = summary | {"midtrain_steps": mid.steps, "midtrain_loss": mid.final_loss,
                          "midtrain_checks": mid.checks,
                          "midtrain_and_eval_s": midtrain_s,
@@ -396,3 +397,4 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                          "settings": json.loads(cfg.model_dump_json())}
     (run_dir / "summary.json").write_text(json.dumps(details, indent=2))
     return summary
+

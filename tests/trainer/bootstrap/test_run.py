@@ -27,7 +27,9 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
     assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "steps", "cheating_flagged",
-                            "wall_s"}
+                            "turns_per_episode", "summaries_per_episode", "tokens_per_window",
+                            "ended_by_context", "wall_s"}
+    assert 1 <= summary["turns_per_episode"] <= 3 and summary["tokens_per_window"] > 0
     assert summary["steps"] == 2 and 0.0 <= summary["pass_at_1_after"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
