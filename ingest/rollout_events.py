@@ -83,6 +83,36 @@ class RolloutSampling(BaseModel):
     context_budget: int = Field(ge=16)
 
 
+RewardMode = Literal["partial", "fraction", "all"]
+
+
+class JudgeConfig(BaseModel):
+    """A rubric judge: any OpenAI-compatible chat endpoint, asked for a 0-10 score. Its key
+    never travels with a job: each worker reads it from its own environment variable
+    `api_key_env` (unset or empty: no key is sent)."""
+
+    base_url: str = Field(min_length=1)  # e.g. http://localhost:8000/v1
+    model: str = Field(min_length=1)
+    rubric: str = "Score the solution from 0 (useless) to 10 (correct, clear, idiomatic)."
+    api_key_env: str = "FLYWHEEL_JUDGE_API_KEY"
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class RewardConfig(BaseModel):
+    """How a job's episodes are scored (`simulate.rewards.compute_reward`): the tests' verdict,
+    blended with a judge's score by weight when one is configured, zeroed by the anti-cheat
+    checks either way. The default: the tests alone."""
+
+    # "partial": 1 when every test passes, else `partial_credit` x the share passed (a
+    # solved task stands clear of any partial one); "fraction": the share of tests passed;
+    # "all": all-or-nothing
+    mode: RewardMode = "partial"
+    partial_credit: float = Field(default=0.5, ge=0.0, le=1.0)
+    verifiable_weight: float = Field(default=1.0, ge=0)
+    judge_weight: float = Field(default=0.0, ge=0)
+    judge: JudgeConfig | None = None
+
+
 class RolloutJob(BaseModel):
     """One group to make, keyed by `job_id` on the rollout-jobs topic: `group_size` episodes
     of `task` (a `simulate.tasks.Task` as JSON) with episode seeds from `seed`, on policy
@@ -100,6 +130,7 @@ class RolloutJob(BaseModel):
     seed: int = Field(ge=0)
     task: dict[str, Any]
     sampling: RolloutSampling
+    rewards: RewardConfig = Field(default_factory=RewardConfig)  # how the episodes are scored
     created_at: datetime = Field(default_factory=utcnow)
 
     @model_validator(mode="after")

@@ -9,22 +9,26 @@ workspace), found statically in the code and dynamically in the sandbox's violat
 
 The judge is any OpenAI-compatible endpoint asked for a 0-10 score against a rubric; its score
 is blended with the verifiable one by weight. Without a judge config the reward is verifiable.
+The config (`RewardConfig`, `JudgeConfig`) is part of a rollout job's wire contract
+(`ingest/rollout_events.py`), so every worker scores a run's episodes alike; the judge's key
+is read from each worker's environment.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import os
 import re
 import threading
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import nullcontext
-from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
 
+from ingest.rollout_events import JudgeConfig, RewardConfig, RewardMode
 from simulate.sandbox import SandboxResult
 
 _ESCAPE_MODULES = {"socket", "subprocess", "ctypes", "multiprocessing", "urllib", "http",
@@ -35,28 +39,6 @@ _INTROSPECTION = {"_getframe", "f_back", "f_globals", "f_locals", "co_consts", "
                   "get_referrers", "get_objects", "__code__"}
 _HARNESS_NAMES = {"check", "candidate", "__builtins__", "__import__"}
 _EXIT_CALLS = {"exit", "_exit", "quit", "abort"}
-
-
-class JudgeConfig(BaseModel):
-    base_url: str  # e.g. http://localhost:8000/v1
-    model: str
-    rubric: str = "Score the solution from 0 (useless) to 10 (correct, clear, idiomatic)."
-    api_key: str | None = None
-    timeout_s: float = Field(default=30.0, gt=0)
-
-
-RewardMode = Literal["partial", "fraction", "all"]
-
-
-class RewardConfig(BaseModel):
-    # "partial": 1 when every test passes, else `partial_credit` x the share passed (a
-    # solved task stands clear of any partial one); "fraction": the share of tests passed;
-    # "all": all-or-nothing
-    mode: RewardMode = "partial"
-    partial_credit: float = Field(default=0.5, ge=0.0, le=1.0)
-    verifiable_weight: float = Field(default=1.0, ge=0)
-    judge_weight: float = Field(default=0.0, ge=0)
-    judge: JudgeConfig | None = None
 
 
 class Reward(BaseModel):
@@ -215,7 +197,8 @@ def _nontrivial(value: object) -> bool:
 
 def judge_score(config: JudgeConfig, prompt: str, completion: str, client: httpx.Client) -> float:
     """Ask the endpoint for a 0-10 score; returns it divided by 10."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    key = os.environ.get(config.api_key_env, "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": config.model, "temperature": 0.0, "messages": [
         {"role": "system", "content": config.rubric + " Reply with 'Score: N' (0-10)."},
         {"role": "user", "content": f"Task:\n{prompt}\n\nSolution:\n{completion}"}]}
@@ -231,6 +214,19 @@ def judge_score(config: JudgeConfig, prompt: str, completion: str, client: httpx
     if match is None:
         raise JudgeError(f"no score in the judge's reply: {text[:200]!r}")
     return min(max(float(match.group(1)), 0.0), 10.0) / 10.0
+
+
+def check_judge(config: RewardConfig) -> None:
+    """Ask the configured judge to score one trivial solution, before a run relies on it;
+    raises JudgeError with the endpoint's failure. Nothing to check without a judge."""
+    if config.judge is None or config.judge_weight <= 0:
+        return
+    with httpx.Client() as http:
+        try:
+            judge_score(config.judge, 'def one():\n    """Return 1."""\n',
+                        "def one():\n    return 1\n", http)
+        except JudgeError as exc:
+            raise JudgeError(f"the judge failed its check before the run: {exc}") from exc
 
 
 def compute_reward(*, prompt: str, code: str, tests: str, result: SandboxResult,

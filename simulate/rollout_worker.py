@@ -279,7 +279,7 @@ class FleetWorker:
                 context_budget=s.context_budget))
             group = await rollout_group(harness, Task.model_validate(job.task),
                                         group_size=job.group_size, cache=self.cache,
-                                        seed=job.seed)
+                                        seed=job.seed, rewards=job.rewards)
             return group.model_copy(update={"group_id": job.job_id, "job_id": job.job_id,
                                             "worker": self.options.worker_id})
         batch = asyncio.gather(*(one(j) for j in jobs))

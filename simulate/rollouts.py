@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,20 @@ import numpy as np
 from ingest.events import PackedArray
 from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
-from simulate.rewards import Reward, RewardConfig, compute_reward, file_hashes, test_files
+from simulate.rewards import (
+    JudgeError,
+    Reward,
+    RewardConfig,
+    compute_reward,
+    file_hashes,
+    test_files,
+)
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.sandbox_service import SandboxRunner
 from simulate.tasks import Task
 from simulate.tools import SOLUTION_FILE, TOOLS, ToolCall, ToolWorkspace
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "Fix solution.py, run the tests, finish."
 
@@ -106,13 +117,21 @@ class TaskEnvironment:
 
     def reward(self) -> Reward:
         """The final workspace's reward (1.0 = solved, by default 0.5 x the share of tests
-        passed otherwise; 0 with flags when it cheated)."""
+        passed otherwise; 0 with flags when it cheated), blended with the judge's score when
+        `rewards` names one. A judge that fails mid-run (its endpoint down, a reply with no
+        score) leaves the episode scored by its tests alone, with a warning: a rollout fleet
+        does not stop for it (the bootstrap checks the judge once before it starts)."""
         files = self.workspace.files()
-        return compute_reward(
-            prompt=self.task.starting_file, code=files.get(SOLUTION_FILE, ""),
-            tests=self.task.tests, result=self.test_result(), config=self.rewards,
-            test_files_before=self._tests_before,
-            test_files_after=file_hashes(test_files(files)))
+        score = partial(compute_reward, prompt=self.task.starting_file,
+                        code=files.get(SOLUTION_FILE, ""), tests=self.task.tests,
+                        result=self.test_result(), test_files_before=self._tests_before,
+                        test_files_after=file_hashes(test_files(files)))
+        try:
+            return score(config=self.rewards)
+        except JudgeError as exc:
+            log.warning("%s: %s; this episode is scored by its tests alone",
+                        self.task.task_id, exc)
+            return score(config=self.rewards.model_copy(update={"judge": None}))
 
 
 def _test_report(result: SandboxResult) -> str:
@@ -124,10 +143,13 @@ def _test_report(result: SandboxResult) -> str:
 async def rollout_group(harness: Harness[Segment], task: Task, *, group_size: int,
                         cache: SandboxCache,
                         workdir: Path | None = None, seed: int | None = None,
-                        policy_version: int | None = None) -> RolloutGroup:
-    """Run `group_size` episodes of `task` concurrently on the harness's engine."""
+                        policy_version: int | None = None,
+                        rewards: RewardConfig | None = None) -> RolloutGroup:
+    """Run `group_size` episodes of `task` concurrently on the harness's engine, scored by
+    `rewards` (default: the tests alone)."""
     with tempfile.TemporaryDirectory(dir=workdir, prefix="rollout-") as tmp:
-        envs = [TaskEnvironment(task, Path(tmp) / str(i), cache) for i in range(group_size)]
+        envs = [TaskEnvironment(task, Path(tmp) / str(i), cache, rewards)
+                for i in range(group_size)]
         trajectories = await asyncio.gather(*(
             harness.run(env, task_id=task.task_id, policy_version=policy_version,
                         seed=None if seed is None else seed * 1000 + i)

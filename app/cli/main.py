@@ -164,8 +164,13 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     cfg = settings.bootstrap.model_copy(update=overrides)
     run_dir = absolute(args.run_dir) if args.run_dir else cfg.run_dir or (
         settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
+    from simulate.rewards import JudgeError, check_judge
     from trainer.init_model import init_model  # torch from here on
 
+    try:  # a judge that cannot score fails the run now, not mid-run
+        check_judge(cfg.rewards)
+    except JudgeError as error:
+        raise SystemExit(f"flywheel bootstrap: {error}") from None
     model_dir = settings.resolved_model_dir
     if settings.model_dir is None:
         init_model(settings.model, model_dir)

@@ -150,3 +150,19 @@ def test_group_travels_as_wire_type(engine, task, tmp_path: Path) -> None:
     assert again.trajectories[0].token_ids.tolist() == group.trajectories[0].token_ids.tolist()
     if group.trajectories[0].routed_experts is not None:
         assert group.trajectories[0].routed_experts.shape[0] == len(group.trajectories[0].token_ids)
+
+
+def test_a_groups_episodes_are_scored_by_the_rewards_it_is_given(
+        engine, task, tmp_path: Path, judge_url: str) -> None:
+    """The scoring a rollout job carries reaches every episode: with a judge weighted as the
+    tests, an episode the tiny random model leaves unsolved earns half the judge's 0.7."""
+    from simulate.rewards import JudgeConfig, RewardConfig
+    from tests.simulate.conftest import FakeJudge
+
+    rewards = RewardConfig(judge_weight=1.0, judge=JudgeConfig(base_url=judge_url, model="j"))
+    harness = Harness.on_engine(engine, HarnessConfig(max_turns=1, max_tokens=6))
+    group = asyncio.run(rollout_group(harness, task, group_size=2, cache=SandboxCache(),
+                                      workdir=tmp_path, seed=0, rewards=rewards))
+    clean = [t for t in group.trajectories if not t.flags]
+    assert clean and all(t.reward == pytest.approx(0.35) for t in clean)
+    assert len(FakeJudge.received) == len(clean)

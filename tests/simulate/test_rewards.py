@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import logging
 
 import pytest
 
@@ -14,6 +11,7 @@ from simulate.rewards import (
     JudgeError,
     RewardConfig,
     cheating_flags,
+    check_judge,
     compute_reward,
     edited_tests,
     file_hashes,
@@ -22,6 +20,7 @@ from simulate.rewards import (
 )
 from simulate.sandbox import SandboxResult, run_sandboxed
 from simulate.tasks import BuiltinTasksConfig, HumanEvalConfig, Task, build_task_source
+from tests.simulate.conftest import FakeJudge
 
 ADD_3 = next(t for t in build_task_source(BuiltinTasksConfig()).tasks()
              if t.task_id == "builtin/add_3")
@@ -111,41 +110,6 @@ def test_tally_counts_flag_kinds_across_a_batch() -> None:
     assert tally_flags(batch) == {"escape": 2, "inspects the harness": 1}
 
 
-class FakeJudge(BaseHTTPRequestHandler):
-    """An OpenAI-compatible endpoint with a fixed reply; records what it was sent."""
-
-    reply = "The solution is correct and clear. Score: 7"
-    status = 200
-    received: list[tuple[str, dict]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - the http.server API
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        FakeJudge.received.append((self.path, body))
-        payload = json.dumps({"id": "x", "object": "chat.completion", "choices": [
-            {"index": 0, "finish_reason": "stop",
-             "message": {"role": "assistant", "content": self.reply}}]}).encode()
-        self.send_response(self.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: object) -> None:
-        return None
-
-
-@pytest.fixture
-def judge_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    FakeJudge.received.clear()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
-    FakeJudge.reply, FakeJudge.status = "The solution is correct and clear. Score: 7", 200
-
-
 def test_judge_score_is_blended_by_weight(judge_url: str) -> None:
     config = RewardConfig(verifiable_weight=1.0, judge_weight=1.0,
                           judge=JudgeConfig(base_url=judge_url, model="judge-1"))
@@ -169,6 +133,44 @@ def test_a_broken_judge_raises_a_named_error(judge_url: str, reply: str, status:
     config = RewardConfig(judge_weight=1.0, judge=JudgeConfig(base_url=judge_url, model="j"))
     with pytest.raises(JudgeError):
         reward(HONEST, config)
+
+
+def test_the_judge_is_checked_before_a_run(judge_url: str) -> None:
+    config = RewardConfig(judge_weight=1.0, judge=JudgeConfig(base_url=judge_url, model="j"))
+    check_judge(config)
+    assert len(FakeJudge.received) == 1
+    check_judge(RewardConfig())  # no judge: nothing to check
+    FakeJudge.status = 503
+    with pytest.raises(JudgeError, match="failed its check before the run"):
+        check_judge(config)
+
+
+def test_the_judges_key_comes_from_the_workers_environment(
+        judge_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key never travels with a job: each worker reads the variable the config names."""
+    monkeypatch.setenv("JUDGE_KEY_HERE", "sk-judge")
+    judge = JudgeConfig(base_url=judge_url, model="j", api_key_env="JUDGE_KEY_HERE")
+    assert "sk-judge" not in judge.model_dump_json()
+    reward(HONEST, RewardConfig(judge_weight=1.0, judge=judge))
+    assert FakeJudge.sent_headers[-1].get("Authorization") == "Bearer sk-judge"
+
+
+def test_a_judge_failing_mid_run_leaves_the_episode_scored_by_its_tests(
+        judge_url: str, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """In a rollout a judge that stops answering does not stop the fleet: the episode is
+    scored by its tests alone, with a warning naming the task."""
+    from simulate.rollouts import SandboxCache, TaskEnvironment
+    from simulate.tools import ToolCall
+
+    config = RewardConfig(judge_weight=1.0, judge=JudgeConfig(base_url=judge_url, model="j"))
+    env = TaskEnvironment(ADD_3, tmp_path / "w", SandboxCache(), config)
+    env.step([ToolCall("write_file", {"path": "solution.py", "content": HONEST})])
+    assert env.reward().value == pytest.approx((1.0 + 0.7) / 2)
+    FakeJudge.status = 500
+    with caplog.at_level(logging.WARNING, logger="simulate.rollouts"):
+        fallback = env.reward()
+    assert (fallback.value, fallback.judge) == (1.0, None)
+    assert "builtin/add_3" in caplog.text and "scored by its tests alone" in caplog.text
 
 
 def test_a_planted_cheat_earns_zero_in_the_rollout_environment(tmp_path) -> None:

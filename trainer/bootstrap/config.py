@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from ingest.rollout_events import RewardConfig
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
@@ -72,6 +73,11 @@ class BootstrapSettings(BaseModel):
     # in a fresh window from the summary, at most max_summaries times an episode
     context_budget: int = Field(default=1024, ge=64)
     max_summaries: int = Field(default=2, ge=0)
+    # how an episode is scored, sent with every rollout job: its tests, and a rubric judge's
+    # score blended in by weight (FLYWHEEL_BOOTSTRAP__REWARDS__JUDGE_WEIGHT=1,
+    # __REWARDS__JUDGE__BASE_URL, __REWARDS__JUDGE__MODEL; each worker host holds the key in
+    # FLYWHEEL_JUDGE_API_KEY). The default: the tests alone
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
     clip: float = Field(default=0.2, gt=0, lt=1)  # PPO ratio clip (trainer.grpo)
     # the learner's MoE routers use the experts the workers' engines chose for each token
     # (kernels/moe_replay.py): a stale or numerically different forward then still computes

@@ -212,7 +212,8 @@ class RolloutFleet:
                          sampling=RolloutSampling(temperature=cfg.temperature,
                                                   max_tokens=cfg.max_tokens,
                                                   max_turns=cfg.max_turns,
-                                                  context_budget=cfg.context_budget))
+                                                  context_budget=cfg.context_budget),
+                         rewards=cfg.rewards)
         self.ledger.issued[job_id] = job
         self._step_of[job_id] = (step, slot)
         # slots round-robin over the partitions, which the workers' group deals out in turn

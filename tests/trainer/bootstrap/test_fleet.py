@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ingest.config import KafkaConfig
-from ingest.rollout_events import RolloutJob
+from ingest.rollout_events import JudgeConfig, RewardConfig, RolloutJob
 from ingest.topic_reader import read_all
 from kernels.delta.store import artifact_store_config, build_artifact_store
 from simulate.tasks import BuiltinTasksConfig, build_task_source
@@ -21,7 +21,10 @@ from trainer.bootstrap.task_sampler import TaskSampler
 
 def test_a_steps_jobs_go_out_when_the_version_they_need_is_announced(
         kafka: KafkaConfig, tmp_path: Path) -> None:
-    cfg = BootstrapSettings()  # async, staleness 1, 4 groups a step
+    # async, staleness 1, 4 groups a step; a judge's scoring travels with every job
+    rewards = RewardConfig(judge_weight=0.5, judge=JudgeConfig(base_url="http://judge/v1",
+                                                               model="judge-1"))
+    cfg = BootstrapSettings(rewards=rewards)
     store = build_artifact_store(artifact_store_config(str(tmp_path / "policy")))
     publisher = PolicyPublisher(store, kafka).start(0, {"w": torch.zeros(8)}, {})
     tasks = TaskSampler(build_task_source(BuiltinTasksConfig()).split("train"))
@@ -31,6 +34,7 @@ def test_a_steps_jobs_go_out_when_the_version_they_need_is_announced(
         out: dict[int, list[int]] = {}
         for job in read_all(kafka, kafka.topics.rollout_jobs, RolloutJob):
             if job.run_id == fleet.run_id:
+                assert job.rewards == rewards
                 out.setdefault(job.step, []).append(job.min_version)
         return out
 
