@@ -39,7 +39,15 @@ from simulate.rewards import (
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.sandbox_service import SandboxRunner
 from simulate.tasks import Task
-from simulate.tools import SOLUTION_FILE, TOOLS, ToolCall, ToolWorkspace
+from simulate.tools import (
+    SOLUTION_FILE,
+    TOOL_SETS,
+    ToolCall,
+    ToolWorkspace,
+    check_call,
+    command_report,
+    truncate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +106,19 @@ class TaskEnvironment:
         return self.task.starting_file
 
     def tools(self) -> list[dict[str, Any]]:
-        return TOOLS
+        return TOOL_SETS[self.task.tools]
 
     def step(self, calls: list[ToolCall]) -> tuple[list[str], bool]:
         observations = []
         for call in calls:
             if call.name == "run_tests" and not call.arguments and not self.workspace.finished:
                 observations.append(_test_report(self.cache.run(self.workspace.sandbox_job())))
+                continue
+            if call.name == "run" and self.workspace.task.tools == "coding" and \
+                    check_call(call, "coding") is None and not self.workspace.finished:
+                job = self.workspace.command_job(call.arguments["command"])
+                observations.append(truncate(command_report(self.cache.runner(job)),
+                                             self.workspace.max_observation_chars))
                 continue
             result = self.workspace.run(call)
             observations.append(result.observation)

@@ -56,10 +56,15 @@ class SandboxPolicy(BaseModel):
 
 
 class SandboxJob(BaseModel):
-    """Candidate `code` and `tests` are exec'd in one namespace; `files` are written to the cwd."""
+    """Candidate `code` and `tests` are exec'd in one namespace; `files` are written to the cwd.
+    With `command`, the job is that shell command instead (`/bin/sh -c`, in the cwd holding
+    `files`), run behind the same walls (network namespace, rlimits, the job's own uid, the
+    wall timeout) but without the audit hook, which a new program does not carry; its exit
+    code decides the status (0: passed). What it writes stays in the job's temp dir."""
 
-    code: str
-    tests: str
+    code: str = ""
+    tests: str = ""
+    command: str | None = Field(default=None, min_length=1)
     entry_point: str | None = None
     files: dict[str, str] = Field(default_factory=dict)
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
@@ -113,8 +118,8 @@ def _write_files(workspace: Path, files: dict[str, str], uid: int | None) -> Non
 
 def _supervise(job: SandboxJob, workspace: Path, uid: int | None) -> SandboxResult:
     spec = {"workspace": str(workspace), "uid": uid, "code": job.code, "tests": job.tests,
-            "entry_point": job.entry_point, "limits": job.limits.model_dump(),
-            "policy": job.policy.model_dump()}
+            "command": job.command, "entry_point": job.entry_point,
+            "limits": job.limits.model_dump(), "policy": job.policy.model_dump()}
     with tempfile.TemporaryFile("w+") as spec_file, tempfile.TemporaryFile("w+") as channel, \
             tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         json.dump(spec, spec_file)
@@ -127,7 +132,7 @@ def _supervise(job: SandboxJob, workspace: Path, uid: int | None) -> SandboxResu
         survivors = _kill_everything(child, uid)
         duration = time.monotonic() - start
         result = _judge(_parse_records(_read(channel)), child.returncode, timed_out, survivors,
-                        job.limits, duration=duration, uid=uid)
+                        job.limits, duration=duration, uid=uid, command=job.command is not None)
         tail = job.limits.output_chars
         result.stdout_tail = _read(out)[-tail:] if tail else ""
         result.stderr_tail = _read(err)[-tail:] if tail else ""
@@ -161,9 +166,14 @@ def _parse_records(text: str) -> list[_ChildRecord]:
 
 
 def _judge(records: list[_ChildRecord], returncode: int | None, timed_out: bool, survivors: int,
-           limits: SandboxLimits, *, duration: float, uid: int | None) -> SandboxResult:
-    """Fold the child's records and its exit into one status; the worst outcome wins."""
+           limits: SandboxLimits, *, duration: float, uid: int | None,
+           command: bool = False) -> SandboxResult:
+    """Fold the child's records and its exit into one status; the worst outcome wins. A
+    command job reports no tests: its exit code is its verdict."""
     report = next((r.report for r in reversed(records) if r.report), None)
+    if command:
+        report = _Report(passed=int(returncode == 0), total=1) if returncode is not None \
+            else None
     limit = next((r.limit for r in records if r.limit), None)
     if returncode == -signal.SIGXCPU:
         limit = "cpu"

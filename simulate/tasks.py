@@ -38,6 +38,11 @@ Split = Literal["train", "product", "held_out"]
 STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent replaces
 
 
+# the tools a task's episodes are offered (simulate/tools.py): "basic" edits one file and runs
+# the tests; "coding" adds listing the files, searching them and running a shell command
+ToolSet = Literal["basic", "coding"]
+
+
 class Task(BaseModel):
     task_id: str
     # the template a task instantiates (`add_{p}`); None for a one-off task. A one-off task
@@ -49,6 +54,7 @@ class Task(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)  # repo tasks: path -> content
     canonical_solution: str | None = None  # a completion of `prompt` that passes `tests`
     stub: str | None = None  # `solution.py` when an episode starts; None: the prompt itself
+    tools: ToolSet = "basic"
 
     @property
     def starting_file(self) -> str:
@@ -329,6 +335,7 @@ class JsonlTask(BaseModel):
     entry_point: str
     files: dict[str, str] = Field(default_factory=dict)
     canonical_solution: str | None = None
+    tools: ToolSet = "basic"  # "coding": its episodes may also list, search and run commands
 
 
 class TaskFileError(ValueError):

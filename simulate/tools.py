@@ -33,7 +33,7 @@ from typing import Any
 
 from serving.tool_parsers import FORMATS, CallParser, ParsedCall, parse_text
 from simulate.sandbox import SandboxJob, SandboxLimits, SandboxResult, run_sandboxed
-from simulate.tasks import Task
+from simulate.tasks import Task, ToolSet
 
 SOLUTION_FILE = "solution.py"
 _TEXT: dict[str, Any] = {"type": "string"}
@@ -53,8 +53,18 @@ TOOLS: list[dict[str, Any]] = [
     _tool("run_tests", "Run the tests."),
     _tool("finish", "End the task."),
 ]
+# what a coding agent has besides: offered to tasks whose `tools` is "coding" (the workspace
+# keeps the episode's files; `run` works on a copy of them in the sandbox)
+CODING_TOOLS: list[dict[str, Any]] = [
+    *TOOLS,
+    _tool("list_files", "List the files."),
+    _tool("search", "Find the lines holding text, in every file.", text=_TEXT),
+    _tool("run", "Run a shell command; its files changes are not kept.", command=_TEXT),
+]
+TOOL_SETS: dict[ToolSet, list[dict[str, Any]]] = {"basic": TOOLS, "coding": CODING_TOOLS}
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # the basic set
+MAX_MATCHES = 50  # lines `search` reports
 DEFAULT_FORMAT = "qwen3_coder"  # the default model's (trainer/init_model.py)
 
 
@@ -78,14 +88,21 @@ def render_call(call: ToolCall, *, parser: str = DEFAULT_FORMAT) -> str:
     return FORMATS[parser].render(ParsedCall(call.name, call.arguments))
 
 
-def check_call(call: ToolCall) -> str | None:
-    """Why `call` cannot run (a missing or non-text argument), or None."""
-    if call.name not in SCHEMAS:
-        return f"unknown tool {call.name!r}; tools are {', '.join(TOOL_NAMES)}"
-    for name in SCHEMAS[call.name]["properties"]:
+def schemas_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool's parameters schema, by name."""
+    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+
+def check_call(call: ToolCall, tools: ToolSet = "basic") -> str | None:
+    """Why `call` cannot run (a tool the task does not offer, a missing or non-text
+    argument), or None."""
+    schemas = schemas_of(TOOL_SETS[tools])
+    if call.name not in schemas:
+        return f"unknown tool {call.name!r}; tools are {', '.join(schemas)}"
+    for name in schemas[call.name]["properties"]:
         if not isinstance(call.arguments.get(name), str):
             return f"{call.name} needs the text argument {name!r}"
-    extra = set(call.arguments) - set(SCHEMAS[call.name]["properties"])
+    extra = set(call.arguments) - set(schemas[call.name]["properties"])
     if extra:
         return f"{call.name} takes no argument {sorted(extra)[0]!r}"
     return None
@@ -98,6 +115,17 @@ def truncate(text: str, limit: int) -> str:
     marker = f"\n...[{len(text) - limit} characters cut]...\n"
     keep = max(limit - len(marker), 0)
     return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2):]
+
+
+def command_report(result: SandboxResult) -> str:
+    """What the agent sees of a shell command: how it ended, then its output."""
+    if result.status == "timed_out":
+        head = "timed out (killed)"
+    elif result.limit_hit is not None:
+        head = f"stopped: the {result.limit_hit} limit"
+    else:
+        head = f"exit code {result.exit_code}"
+    return "\n".join([head, *(t for t in (result.stdout_tail, result.stderr_tail) if t)])
 
 
 @dataclass
@@ -128,7 +156,7 @@ class ToolWorkspace:
 
     def run(self, call: ToolCall) -> ToolResult:
         """Check and run one call; every outcome is an observation."""
-        why = check_call(call)
+        why = check_call(call, self.task.tools)
         if why is not None:
             return self._reply(f"error: {why}")
         if self.finished:
@@ -141,6 +169,12 @@ class ToolWorkspace:
         if call.name == "finish":
             self.finished = True
             return self._reply("finished", done=True)
+        if call.name == "list_files":
+            return self._reply("\n".join(self.files()) or "no files")
+        if call.name == "search":
+            return self.search(call.arguments["text"])
+        if call.name == "run":
+            return self.run_command(call.arguments["command"])
         path = call.arguments["path"]
         target = self._resolve(path)
         if target is None:
@@ -166,6 +200,23 @@ class ToolWorkspace:
         files = self.files()
         return SandboxJob(code=files.pop(SOLUTION_FILE, ""), tests=self.task.tests,
                           entry_point=self.task.entry_point, files=files, limits=self.limits)
+
+    def search(self, text: str) -> ToolResult:
+        """`path:line: content` of every line holding `text` (plain text, case-sensitive), at
+        most `MAX_MATCHES`."""
+        if not text:
+            return self._reply("error: search needs text to find")
+        hits = [f"{path}:{number}: {line}" for path, content in self.files().items()
+                for number, line in enumerate(content.splitlines(), start=1) if text in line]
+        more = f"\n...and {len(hits) - MAX_MATCHES} more" if len(hits) > MAX_MATCHES else ""
+        return self._reply("\n".join(hits[:MAX_MATCHES]) + more if hits else "no match")
+
+    def command_job(self, command: str) -> SandboxJob:
+        """`command` in the sandbox, on a copy of the workspace's files."""
+        return SandboxJob(files=self.files(), command=command, limits=self.limits)
+
+    def run_command(self, command: str) -> ToolResult:
+        return self._reply(command_report(run_sandboxed(self.command_job(command))))
 
     def run_tests(self) -> ToolResult:
         result = run_sandboxed(self.sandbox_job())

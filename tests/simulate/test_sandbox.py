@@ -181,3 +181,27 @@ def test_jobs_and_results_survive_a_json_round_trip() -> None:
 def test_file_paths_may_not_escape_the_workspace() -> None:
     with pytest.raises(ValueError, match="escapes the workspace"):
         run("", "", files={"../outside.py": ""})
+
+
+def test_a_shell_command_runs_behind_the_same_walls(tmp_path: Path, monkeypatch) -> None:
+    """A command job (`SandboxJob.command`): its exit code is its verdict; no network, not
+    the parent's environment, and (as root, with its own uid) no write outside its dir."""
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_SECRET", "hunter2")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    target = tmp_path / "escaped.txt"
+    command = (f"cat notes.txt; env; python3 -c \"import socket; "
+               f"socket.create_connection(('127.0.0.1', {port}), timeout=2)\"; "
+               f"echo pwned > {target}; exit 7")
+    result = run_sandboxed(SandboxJob(files={"notes.txt": "hello\n"}, command=command))
+    server.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        server.accept()
+    server.close()
+    assert (result.status, result.exit_code, result.tests_total) == ("failed", 7, 1)
+    assert result.stdout_tail.startswith("hello\n") and "hunter2" not in result.stdout_tail
+    if any("netns" in layer for layer in result.isolation):
+        assert "Network is unreachable" in result.stderr_tail
+    if os.geteuid() == 0:
+        assert not target.exists() and "Permission denied" in result.stderr_tail
+    assert run_sandboxed(SandboxJob(command="true")).status == "passed"

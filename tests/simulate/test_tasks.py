@@ -114,11 +114,13 @@ def test_jsonl_tasks_load_with_default_ids(tmp_path: Path) -> None:
     path = tmp_path / "mine.jsonl"
     rows = [{"prompt": "def f(x):\n", "tests": "assert f(1) == 2", "entry_point": "f"},
             {"task_id": "repo-1", "prompt": "", "tests": "from lib import g\nassert g() == 1",
-             "entry_point": "g", "files": {"lib.py": "def g():\n    return 1\n"}}]
+             "entry_point": "g", "files": {"lib.py": "def g():\n    return 1\n"},
+             "tools": "coding"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     config = TypeAdapter(TaskSourceConfig).validate_python({"kind": "jsonl", "path": str(path)})
     tasks = build_task_source(config).tasks()
     assert [t.task_id for t in tasks] == ["mine/1", "repo-1"]
+    assert [t.tools for t in tasks] == ["basic", "coding"]
     results = run_sandboxed_many([tasks[0].sandbox_job("    return x + 1\n"),
                                   tasks[1].sandbox_job("")])
     assert [r.status for r in results] == ["passed", "passed"]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simulate.tasks import BuiltinTasksConfig, Task, build_task_source
+from simulate.tasks import BuiltinTasksConfig, Task, ToolSet, build_task_source
 from simulate.tools import TOOL_NAMES, ToolCall, ToolWorkspace, calls_in, render_call, truncate
 
 
@@ -129,3 +129,54 @@ def test_a_rendered_call_parses_back_to_itself(content: str, path: str, before: 
     call = write(path, content)
     (parsed,) = calls_in(before + render_call(call))
     assert (parsed.name, parsed.arguments) == (call.name, call.arguments)
+
+
+def package_task(tools: ToolSet) -> Task:
+    """A small package: a module, its tests in their own folder."""
+    tests = "from pkg.core import double\n\ndef test_double():\n    assert double(2) == 4\n"
+    return Task(task_id="pkg/1", prompt="", entry_point="double", tools=tools, tests=tests,
+                files={"pkg/__init__.py": "", "pkg/core.py": "def double(x):\n    return x + x\n",
+                       "tests/test_core.py": "from pkg.core import double\n"})
+
+
+def test_a_coding_task_offers_listing_searching_and_commands(tmp_path: Path) -> None:
+    from simulate.sandbox import SandboxLimits
+
+    ws = ToolWorkspace.create(tmp_path / "ws", package_task("coding"),
+                              limits=SandboxLimits(wall_seconds=2))
+    listed = ws.run(ToolCall("list_files")).observation.splitlines()
+    assert listed == ["pkg/__init__.py", "pkg/core.py", "solution.py", "tests/test_core.py"]
+    assert ws.run(ToolCall("search", {"text": "import double"})).observation == \
+        "tests/test_core.py:1: from pkg.core import double"
+    assert ws.run(ToolCall("search", {"text": "nowhere"})).observation == "no match"
+    ran = ws.run(ToolCall("run", {"command": "python3 -c 'from pkg.core import double; "
+                                             "print(double(21))'"}))
+    assert ran.observation == "exit code 0\n42\n"
+    failed = ws.run(ToolCall("run", {"command": "ls missing"})).observation
+    assert failed.startswith("exit code 2\n") and "missing" in failed
+    # a command works on a copy: what it writes is not kept
+    assert ws.run(ToolCall("run", {"command": "echo x > new.txt"})).observation == "exit code 0"
+    assert "new.txt" not in ws.run(ToolCall("list_files")).observation
+    assert ws.run(ToolCall("run", {"command": "sleep 30"})).observation == "timed out (killed)"
+
+
+def test_a_basic_task_refuses_the_coding_tools(tmp_path: Path) -> None:
+    ws = ToolWorkspace.create(tmp_path / "ws", package_task("basic"))
+    refused = ws.run(ToolCall("run", {"command": "ls"})).observation
+    assert refused.startswith("error: unknown tool 'run'; tools are read_file")
+
+
+def test_the_rollout_environment_offers_a_tasks_tools_and_runs_commands(tmp_path: Path) -> None:
+    """The environment sends commands through its sandbox runner (the sandbox fleet when it
+    has one); the tools it offers the model are the task's set."""
+    from simulate.rollouts import SandboxCache, TaskEnvironment
+    from simulate.tools import CODING_TOOLS, TOOLS
+
+    env = TaskEnvironment(package_task("coding"), tmp_path / "w", SandboxCache())
+    assert env.tools() == CODING_TOOLS
+    (observation,), done = env.step([ToolCall("run", {"command": "cat pkg/core.py"})])
+    assert observation == "exit code 0\ndef double(x):\n    return x + x\n" and not done
+    basic = TaskEnvironment(package_task("basic"), tmp_path / "b", SandboxCache())
+    assert basic.tools() == TOOLS
+    (refused,), _ = basic.step([ToolCall("run", {"command": "ls"})])
+    assert refused.startswith("error: unknown tool 'run'")
