@@ -184,3 +184,55 @@ def test_the_bootstrap_learner_replays_the_experts_the_engine_routed(model_dir: 
     other = group.model_copy(update={"trajectories": [moved(t) for t in trajectories]})
     changed = OfflineTrainer.from_settings(copy.deepcopy(policy), cfg).step([other])
     assert changed["max_abs_logprob_diff"] > 0.0
+
+
+def test_a_summarized_episode_trains_its_summary_with_the_episodes_advantage(
+        model_dir: Path) -> None:
+    """Self-summarization is trained end to end: an episode whose context was summarized is
+    one row per context window, each with the episode's advantage; the summary the model
+    wrote (the first window's last turn) is in its loss mask, and one learner step raises its
+    probability in the episode the group favours and lowers it in the one it does not."""
+    from serving.torch_engine import TorchEngine
+    from simulate.harness import Harness, HarnessConfig
+    from simulate.rollouts import SandboxCache, rollout_group
+    from simulate.tasks import BuiltinTaskSource
+    from trainer.bootstrap.config import BootstrapSettings
+    from trainer.bootstrap.run import OfflineTrainer
+
+    policy = Policy.load(model_dir, lr=1e-3)
+    engine = TorchEngine(policy.unsharded_model().eval(), policy.tokenizer, seed=0)
+    try:  # a budget so small that the context is summarized after the first turn
+        harness = Harness.on_engine(engine, HarnessConfig(max_turns=3, max_tokens=10,
+                                                          context_budget=40, max_summaries=1))
+        task = BuiltinTaskSource(0.2).split("train")[0]
+        group = asyncio.run(rollout_group(harness, task, group_size=2, cache=SandboxCache(),
+                                          seed=2))
+    finally:
+        engine.close()
+    trajectories = [t.model_copy(update={"reward": float(r)})
+                    for t, r in zip(group.trajectories, (1.0, 0.0), strict=True)]
+    group = group.model_copy(update={"trajectories": trajectories})
+    windows = [len(t.segment_lengths) for t in trajectories]
+    assert windows == [2, 2]  # both summarized once
+
+    rows, _ = OfflineTrainer.rows([group])
+    assert len(rows) == 4 and rows.advantages[0] == rows.advantages[1] > 0 > rows.advantages[2]
+    assert rows.advantages[2] == rows.advantages[3]
+
+    def summary_logprob(row: int) -> float:
+        """Mean logprob of the first window's last trained run: the summary."""
+        mask = rows.masks[row]
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        batch = policy.batch([rows.sequences[row]], [[0] * start + [1] * (end - start)])
+        with torch.no_grad():
+            logp = sequence_logprobs(policy.model, batch)
+        return float(logp[0, start:end].mean())
+
+    assert "Summarize your progress" in policy.tokenizer.decode(rows.sequences[0])
+    before = [summary_logprob(0), summary_logprob(2)]
+    OfflineTrainer.from_settings(policy, BootstrapSettings()).step([group])
+    after = [summary_logprob(0), summary_logprob(2)]
+    assert after[0] > before[0] and after[1] < before[1]
