@@ -39,15 +39,7 @@ from simulate.rewards import (
 from simulate.sandbox import SandboxJob, SandboxResult, run_sandboxed
 from simulate.sandbox_service import SandboxRunner
 from simulate.tasks import Task
-from simulate.tools import (
-    SOLUTION_FILE,
-    TOOL_SETS,
-    ToolCall,
-    ToolWorkspace,
-    check_call,
-    command_report,
-    truncate,
-)
+from simulate.tools import SOLUTION_FILE, TOOL_SETS, ToolCall, ToolWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +86,8 @@ class TaskEnvironment:
     def __init__(self, task: Task, root: Path, cache: SandboxCache,
                  rewards: RewardConfig | None = None) -> None:
         self.task = task
-        self.workspace = ToolWorkspace.create(root, task)
+        # its sandbox jobs (shell commands) go where the cache sends its misses
+        self.workspace = ToolWorkspace.create(root, task, runner=cache.runner)
         self.cache = cache
         self.rewards = rewards or RewardConfig()
         self._tests_before = file_hashes(test_files(task.files))
@@ -113,12 +106,6 @@ class TaskEnvironment:
         for call in calls:
             if call.name == "run_tests" and not call.arguments and not self.workspace.finished:
                 observations.append(_test_report(self.cache.run(self.workspace.sandbox_job())))
-                continue
-            if call.name == "run" and self.workspace.task.tools == "coding" and \
-                    check_call(call, "coding") is None and not self.workspace.finished:
-                job = self.workspace.command_job(call.arguments["command"])
-                observations.append(truncate(command_report(self.cache.runner(job)),
-                                             self.workspace.max_observation_chars))
                 continue
             result = self.workspace.run(call)
             observations.append(result.observation)

@@ -192,17 +192,18 @@ def main(spec_fd: int, result_fd: int) -> None:
     workspace = os.path.realpath(spec["workspace"])
     os.chdir(workspace)
     isolation = [how] if (how := leave_network()) else []
-    if spec.get("command") is None:
+    command = spec.get("command")
+    if command is None:
         preimport([spec["code"], spec["tests"]], workspace)
     set_limits(spec["limits"])
     if spec["uid"] is not None:
         drop_privileges(spec["uid"])
         isolation.append("uid")
-    if spec.get("command") is not None:  # a shell command: the walls above hold it
+    if command is not None:  # a shell command: the walls above hold it
         emit(channel, {"isolation": isolation})
         channel.close()
         sys.stdout.flush()
-        os.execv("/bin/sh", ["sh", "-c", spec["command"]])
+        os.execv("/bin/sh", ["sh", "-c", command])
     sys.path.insert(0, workspace)
     if spec["policy"]["audit_hook"]:
         sys.addaudithook(audit_hook(workspace, spec["policy"],

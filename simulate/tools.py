@@ -27,6 +27,7 @@ task's tests on the workspace through the sandbox.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,17 @@ CODING_TOOLS: list[dict[str, Any]] = [
 ]
 TOOL_SETS: dict[ToolSet, list[dict[str, Any]]] = {"basic": TOOLS, "coding": CODING_TOOLS}
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # the basic set
 MAX_MATCHES = 50  # lines `search` reports
 DEFAULT_FORMAT = "qwen3_coder"  # the default model's (trainer/init_model.py)
+
+
+def schemas_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool's parameters schema, by name."""
+    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+
+SCHEMA_SETS = {name: schemas_of(tools) for name, tools in TOOL_SETS.items()}
+SCHEMAS = SCHEMA_SETS["basic"]
 
 
 @dataclass(frozen=True)
@@ -88,15 +97,10 @@ def render_call(call: ToolCall, *, parser: str = DEFAULT_FORMAT) -> str:
     return FORMATS[parser].render(ParsedCall(call.name, call.arguments))
 
 
-def schemas_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each tool's parameters schema, by name."""
-    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-
-
 def check_call(call: ToolCall, tools: ToolSet = "basic") -> str | None:
     """Why `call` cannot run (a tool the task does not offer, a missing or non-text
     argument), or None."""
-    schemas = schemas_of(TOOL_SETS[tools])
+    schemas = SCHEMA_SETS[tools]
     if call.name not in schemas:
         return f"unknown tool {call.name!r}; tools are {', '.join(schemas)}"
     for name in schemas[call.name]["properties"]:
@@ -137,11 +141,14 @@ class ToolResult:
 
 @dataclass
 class ToolWorkspace:
-    """A rollout's private directory holding the task's files and `solution.py`."""
+    """A rollout's private directory holding the task's files and `solution.py`. `runner`
+    runs its sandbox jobs (the tests, shell commands): the local sandbox by default, or the
+    sandbox fleet's (`simulate.sandbox_service.sandbox_runner`)."""
 
     root: Path
     task: Task
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    runner: Callable[[SandboxJob], SandboxResult] = run_sandboxed
     max_observation_chars: int = 2000
     finished: bool = False
 
@@ -216,10 +223,10 @@ class ToolWorkspace:
         return SandboxJob(files=self.files(), command=command, limits=self.limits)
 
     def run_command(self, command: str) -> ToolResult:
-        return self._reply(command_report(run_sandboxed(self.command_job(command))))
+        return self._reply(command_report(self.runner(self.command_job(command))))
 
     def run_tests(self) -> ToolResult:
-        result = run_sandboxed(self.sandbox_job())
+        result = self.runner(self.sandbox_job())
         lines = [f"{result.status}: {result.tests_passed or 0}/{result.tests_total or 0} tests "
                  f"passed", *result.failures]
         if result.stdout_tail or result.stderr_tail:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ingest.rollout_events import RolloutTrajectory
+from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from serving.engine import GenerationRequest
+from simulate.harness import HarnessConfig
 from trainer.policy import (
     MIN_SHARED_PREFIX,
     Policy,
@@ -139,6 +140,26 @@ def test_a_shared_prefix_computed_once_gives_the_logprobs_and_gradients_of_whole
         assert error <= 1e-4 * float(grad.norm()) + 1e-7, (name, error, float(grad.norm()))
 
 
+def _group_on_policy(policy: Policy, harness: HarnessConfig, *, group_size: int, seed: int,
+                     batch_invariant: bool = False) -> RolloutGroup:
+    """A group of episodes of the first train task, sampled by an engine on the policy's
+    weights."""
+    from serving.torch_engine import TorchEngine
+    from simulate.harness import Harness
+    from simulate.rollouts import SandboxCache, rollout_group
+    from simulate.tasks import BuiltinTaskSource
+
+    engine = TorchEngine(policy.unsharded_model().eval(), policy.tokenizer, seed=0,
+                         batch_invariant=batch_invariant)
+    try:
+        task = BuiltinTaskSource(0.2).split("train")[0]
+        return asyncio.run(rollout_group(Harness.on_engine(engine, harness), task,
+                                         group_size=group_size, cache=SandboxCache(),
+                                         seed=seed))
+    finally:
+        engine.close()
+
+
 def test_the_bootstrap_learner_replays_the_experts_the_engine_routed(model_dir: Path) -> None:
     """Router replay in the bootstrap's GRPO learner, batch-invariant mode: multi-turn
     episodes carry their tokens' experts, and the learner's forward (through its shared
@@ -147,24 +168,13 @@ def test_the_bootstrap_learner_replays_the_experts_the_engine_routed(model_dir: 
     import numpy as np
 
     from ingest.events import PackedArray
-    from serving.torch_engine import TorchEngine
-    from simulate.harness import Harness
-    from simulate.rollouts import SandboxCache, rollout_group
-    from simulate.tasks import BuiltinTaskSource
     from trainer.bootstrap.config import BootstrapSettings
     from trainer.bootstrap.run import OfflineTrainer
 
     policy = Policy.load(model_dir, lr=1e-3, batch_invariant=True)
     cfg = BootstrapSettings(max_turns=2, max_tokens=12)
-    engine = TorchEngine(policy.unsharded_model().eval(), policy.tokenizer, seed=0,
-                         batch_invariant=True)
-    try:
-        harness = Harness.on_engine(engine, cfg.harness(temperature=1.0))
-        task = BuiltinTaskSource(0.2).split("train")[0]
-        group = asyncio.run(rollout_group(harness, task, group_size=3, cache=SandboxCache(),
-                                          seed=0))
-    finally:
-        engine.close()
+    group = _group_on_policy(policy, cfg.harness(temperature=1.0), group_size=3, seed=0,
+                             batch_invariant=True)
     # the tiny random model solves nothing: rewards set apart so that the group has a signal
     trajectories = [t.model_copy(update={"reward": float(i)})
                     for i, t in enumerate(group.trajectories)]
@@ -192,23 +202,13 @@ def test_a_summarized_episode_trains_its_summary_with_the_episodes_advantage(
     one row per context window, each with the episode's advantage; the summary the model
     wrote (the first window's last turn) is in its loss mask, and one learner step raises its
     probability in the episode the group favours and lowers it in the one it does not."""
-    from serving.torch_engine import TorchEngine
-    from simulate.harness import Harness, HarnessConfig
-    from simulate.rollouts import SandboxCache, rollout_group
-    from simulate.tasks import BuiltinTaskSource
     from trainer.bootstrap.config import BootstrapSettings
     from trainer.bootstrap.run import OfflineTrainer
 
     policy = Policy.load(model_dir, lr=1e-3)
-    engine = TorchEngine(policy.unsharded_model().eval(), policy.tokenizer, seed=0)
-    try:  # a budget so small that the context is summarized after the first turn
-        harness = Harness.on_engine(engine, HarnessConfig(max_turns=3, max_tokens=10,
-                                                          context_budget=40, max_summaries=1))
-        task = BuiltinTaskSource(0.2).split("train")[0]
-        group = asyncio.run(rollout_group(harness, task, group_size=2, cache=SandboxCache(),
-                                          seed=2))
-    finally:
-        engine.close()
+    # a budget so small that the context is summarized after the first turn
+    harness = HarnessConfig(max_turns=3, max_tokens=10, context_budget=40, max_summaries=1)
+    group = _group_on_policy(policy, harness, group_size=2, seed=2)
     trajectories = [t.model_copy(update={"reward": float(r)})
                     for t, r in zip(group.trajectories, (1.0, 0.0), strict=True)]
     group = group.model_copy(update={"trajectories": trajectories})
