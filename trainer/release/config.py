@@ -73,6 +73,35 @@ EvalSettings = Annotated[HeldOutTasksEval | HeldOutLossEval | CallableEval,
                          Field(discriminator="kind")]
 
 
+class MetricTestSettings(BaseModel):
+    """One metric's test: how much worse the candidate may be before it is rolled back."""
+
+    margin: float = Field(gt=0.0, description="worse by this much: roll back (metric units)")
+    # floors each arm's variance: early on, a run of identical outcomes says little
+    min_variance: float = Field(default=0.01, gt=0.0)
+
+
+class CanarySettings(BaseModel):
+    """The canary of trainer/release/canary.py: a share of sessions, two error rates, the
+    metrics and their margins, when to decide at the earliest and at the latest."""
+
+    share: float = Field(default=0.2, gt=0.0, lt=1.0,
+                         description="the share of sessions the candidate serves")
+    alpha: float = Field(default=0.05, gt=0.0, lt=0.5,
+                         description="P(promote a candidate worse by the margin)")
+    beta: float = Field(default=0.05, gt=0.0, lt=0.5,
+                        description="P(roll back a candidate as good as the incumbent), "
+                                    "per metric")
+    acceptance: MetricTestSettings = MetricTestSettings(margin=0.10, min_variance=0.01)
+    # rewards span [-1, 1], twice acceptance's range: twice its margin
+    reward: MetricTestSettings = MetricTestSettings(margin=0.20, min_variance=0.04)
+    min_sessions: int = Field(default=30, ge=2,
+                              description="per arm, before any decision (the normal "
+                                          "approximation's floor)")
+    max_sessions: int = Field(default=4000, ge=2,
+                              description="candidate sessions without a decision: hold")
+
+
 class ReleaseSettings(BaseModel):
     """The release pipeline (trainer/release/pipeline.py) and the replicas that follow it."""
 
