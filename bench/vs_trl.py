@@ -15,10 +15,10 @@ reward in the same sandbox. So the common units are:
   episodes that reached an optimizer step (a TRL sample is one turn, a Flywheel episode
   several); samples/s is printed beside it;
 - reward: each final policy's expected reward on one fixed list of train tasks, measured the
-  same way for both (`trainer.bootstrap.run.mean_reward`: the product's multi-turn episode, seeded,
-  at the training temperature), and its greedy held-out pass@1. The training curves (reward
-  per step against wall time) are printed and plotted, but their rewards are each side's own
-  episode.
+  same way for both (`trainer.bootstrap.local_engine.mean_reward`: the product's multi-turn
+  episode, seeded, at the training temperature), and its greedy held-out pass@1. The
+  training curves (reward per step against wall time) are printed and plotted, but their
+  rewards are each side's own episode.
 
     pip install -e '.[bench]'        # TRL and its dependencies (make bench does this)
     .venv/bin/python bench/vs_trl.py --seconds 120 [--model-dir data/models/base]
@@ -206,8 +206,7 @@ def final_policy(policy: Any, cfg: BootstrapSettings, tasks: list[Task],
                  held_out: list[Task]) -> tuple[float, float]:
     """(expected multi-turn episode reward on `tasks`, greedy held-out pass@1) of a policy."""
     from simulate.rollouts import SandboxCache, pass_rate
-    from trainer.bootstrap.local_engine import make_engine
-    from trainer.bootstrap.run import evaluate, mean_reward
+    from trainer.bootstrap.local_engine import evaluate, make_engine, mean_reward
 
     cache = SandboxCache()
     reward = mean_reward(policy, cfg, tasks, samples=REWARD_SAMPLES, cache=cache)

@@ -17,6 +17,11 @@ Three disjoint splits, a pure function of the task id (`split_of`), so every pro
 `train` (what the bootstrap trains on), `product` (what the simulated developers of the demo
 ask the served model for: live traffic, trained on only through their feedback) and
 `held_out` (never served, never trained on: the eval gate's and the bootstrap's measure).
+A fourth, `held_out_family`, is by kind of task rather than by task: every task of a family
+named in `held_out_families` (and, in the built-in source, of its unseen templates, which no
+other split, demonstration or practice task fills) is in it. `held_out` asks whether the
+model copies a new value into a form it has learned; `held_out_family` whether it writes a
+form it has never been shown.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import random
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
@@ -34,7 +40,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from simulate.sandbox import SandboxJob, SandboxLimits
 
-Split = Literal["train", "product", "held_out"]
+Split = Literal["train", "product", "held_out", "held_out_family"]
 STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent replaces
 
 
@@ -82,6 +88,8 @@ def split_of(task_id: str, held_out_fraction: float, product_fraction: float = 0
 class _SourceConfig(BaseModel):
     held_out_fraction: float = Field(default=0.2, ge=0.0, le=1.0)
     product_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    # families (a task's `family`) whose every task is in `held_out_family`
+    held_out_families: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _fractions_fit(self) -> _SourceConfig:
@@ -114,16 +122,21 @@ TaskSourceConfig = Annotated[BuiltinTasksConfig | HumanEvalConfig | JsonlTasksCo
 class TaskSource(ABC):
     """A finite, deterministic list of tasks and its train / product / held-out split."""
 
-    def __init__(self, held_out_fraction: float, product_fraction: float = 0.0) -> None:
+    def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
+                 held_out_families: Sequence[str] = ()) -> None:
         self.held_out_fraction = held_out_fraction
         self.product_fraction = product_fraction
+        self.held_out_families = frozenset(held_out_families)
 
     @abstractmethod
     def tasks(self) -> list[Task]:
         """Every task, in a stable order."""
 
     def split_of(self, task: Task) -> Split:
-        """The split of one task (`split_of` on its id; one-off tasks are always train)."""
+        """The split of one task: `held_out_family` for a held-out family's, else `split_of`
+        on its id (one-off tasks are always train where the source says so)."""
+        if task.family is not None and task.family in self.held_out_families:
+            return "held_out_family"
         if task.family is None and self.keeps_one_offs_in_train:
             return "train"
         return split_of(task.task_id, self.held_out_fraction, self.product_fraction)
@@ -141,11 +154,13 @@ class TaskSource(ABC):
 
 def build_task_source(config: TaskSourceConfig) -> TaskSource:
     fractions = (config.held_out_fraction, config.product_fraction)
+    families = config.held_out_families
     if isinstance(config, BuiltinTasksConfig):
-        return BuiltinTaskSource(*fractions, tests_per_task=config.tests_per_task)
+        return BuiltinTaskSource(*fractions, tests_per_task=config.tests_per_task,
+                                 held_out_families=families)
     if isinstance(config, HumanEvalConfig):
-        return HumanEvalSource(*fractions)
-    return JsonlTaskSource(*fractions, path=config.path)
+        return HumanEvalSource(*fractions, held_out_families=families)
+    return JsonlTaskSource(*fractions, path=config.path, held_out_families=families)
 
 
 @dataclass(frozen=True)
@@ -239,6 +254,22 @@ _LETTER_PRACTICE = (
 )
 
 
+# Unseen templates: kinds of task in no other split, no demonstration and no practice task,
+# every task of them in `held_out_family` (BuiltinTaskSource). Each is a form the seen
+# templates come near (an argument on the other side, a slice from the other end, a list
+# comprehension that multiplies, a membership test) without writing it.
+_UNSEEN_TEMPLATES = (
+    _Template("sub_from_{p}", "x", "Return {p} minus x.", "{p} - x", _SMALL),
+    _Template("max_with_{p}", "x", "Return the larger of x and {p}.", "max(x, {p})", _SMALL),
+    _Template("drop_first_{p}", "s", "Return s without its first {p} characters.", "s[{p}:]",
+              _SMALL),
+    _Template("contains_char_{p}", "s", "Return True if '{p}' occurs in s.", "'{p}' in s",
+              _LETTERS[:8]),
+    _Template("times_each_{p}", "xs", "Return a list with each item of xs times {p}.",
+              "[x * {p} for x in xs]", _SMALL),
+)
+
+
 def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
     """Parameters a template never takes as a task, made of the same tokens as its task
     values, so that copying them token by token, not recalling one, is what fits them.
@@ -289,18 +320,25 @@ class BuiltinTaskSource(TaskSource):
     keeps_one_offs_in_train = True
 
     def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
-                 tests_per_task: int = 4) -> None:
-        super().__init__(held_out_fraction, product_fraction)
+                 tests_per_task: int = 4, held_out_families: Sequence[str] = ()) -> None:
+        unseen = [t.name for t in _UNSEEN_TEMPLATES]
+        super().__init__(held_out_fraction, product_fraction,
+                         held_out_families=[*held_out_families, *unseen])
         self.tests_per_task = tests_per_task
 
     def tasks(self) -> list[Task]:
-        return [self._task(spec) for spec in _builtin_specs()]
+        """The templates' and one-off tasks, then the unseen templates' (last, so that adding
+        them moved no other task)."""
+        unseen = [spec for t in _UNSEEN_TEMPLATES for spec in _fill(t, t.params)]
+        return [self._task(spec) for spec in [*_builtin_specs(), *unseen]]
 
     def practice_tasks(self) -> list[Task]:
         """Every template with parameters outside its task range (`add_31`, `count_char_A`):
         a corpus wide enough that a tiny model learns to copy the parameter from the
-        docstring instead of memorizing per-task answers. No held-out value appears."""
-        return [self._task(spec) for spec in _practice_specs()]
+        docstring instead of memorizing per-task answers. No held-out value appears, and no
+        held-out family."""
+        return [self._task(spec) for spec in _practice_specs()
+                if spec.family not in self.held_out_families]
 
     def _task(self, spec: _Spec) -> Task:
         """Expected outputs come from running our own canonical body on seeded inputs."""
@@ -330,6 +368,7 @@ class JsonlTask(BaseModel):
     """One line of a user's task file; `task_id` defaults to `<file stem>/<line number>`."""
 
     task_id: str | None = None
+    family: str | None = None  # a kind of task: `held_out_families` holds out every one of it
     prompt: str
     tests: str
     entry_point: str
@@ -344,8 +383,9 @@ class TaskFileError(ValueError):
 
 class JsonlTaskSource(TaskSource):
     def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
-                 path: Path) -> None:
-        super().__init__(held_out_fraction, product_fraction)
+                 path: Path, held_out_families: Sequence[str] = ()) -> None:
+        super().__init__(held_out_fraction, product_fraction,
+                         held_out_families=held_out_families)
         self.path = path
 
     def tasks(self) -> list[Task]:

@@ -82,7 +82,7 @@ def test_practice_tasks_share_templates_but_no_task_or_value(builtin: list[Task]
 def test_splits_are_disjoint_and_a_pure_function_of_the_task_id(builtin: list[Task]) -> None:
     source = build_task_source(BuiltinTasksConfig(held_out_fraction=0.2, product_fraction=0.2))
     splits = {name: {t.task_id for t in source.split(name)}
-              for name in ("train", "product", "held_out")}
+              for name in ("train", "product", "held_out", "held_out_family")}
     assert set.union(*splits.values()) == {t.task_id for t in builtin}
     assert sum(len(ids) for ids in splits.values()) == len(builtin)  # disjoint
     for name in ("product", "held_out"):
@@ -103,6 +103,31 @@ def test_one_off_tasks_stay_in_train_and_the_others_have_a_family(builtin: list[
     assert "builtin/negate" in one_offs and len(one_offs) == 16
     assert {t.task_id for t in source.split("train")} == one_offs
     assert {t.family for t in builtin if t.task_id == "builtin/add_17"} == {"add_{p}"}
+
+
+def test_unseen_families_are_held_out_whole_and_taught_nowhere(builtin: list[Task]) -> None:
+    """The family split: every task of the unseen templates, and of a family the settings
+    name; no other split, demonstration or practice task has their forms."""
+    source = build_task_source(BuiltinTasksConfig(held_out_families=["add_{p}"]))
+    family = source.split("held_out_family")
+    unseen = {t.family for t in family} - {"add_{p}"}
+    assert unseen == {"sub_from_{p}", "max_with_{p}", "drop_first_{p}", "contains_char_{p}",
+                      "times_each_{p}"}
+    assert len([t for t in family if t.family in unseen]) == 40
+    assert {t.task_id for t in family if t.family == "add_{p}"} == {
+        f"builtin/add_{p}" for p in range(1, 31)}
+    seen = (source.split("train") + source.split("product") + source.split("held_out")
+            + source.practice_tasks())
+    assert not {t.family for t in seen} & (unseen | {"add_{p}"})
+    bodies = {t.canonical_solution for t in family if t.family in unseen}
+    assert not bodies & {t.canonical_solution for t in seen}
+    # adding the unseen templates moved no other task: they come last
+    assert [t.family for t in builtin[-40:]] == [t.family for t in family if t.family in unseen]
+    # a JSONL task names its family
+    assert JsonlTaskSource(0.0, path=Path("unused.jsonl"),
+                           held_out_families=["mine"]).split_of(
+        Task(task_id="t", family="mine", prompt="", tests="", entry_point="f")) \
+        == "held_out_family"
 
 
 def test_fractions_that_do_not_fit_are_refused() -> None:

@@ -1,20 +1,25 @@
 """An engine in the trainer's own process, on a copy of the policy's weights: for held-out
-evaluation and the benches' fixed-task measurements (rollouts for training come from the
-fleet: trainer/bootstrap/fleet.py).
+evaluation (`evaluate`) and the benches' fixed-task measurements (`mean_reward`); rollouts
+for training come from the fleet (trainer/bootstrap/fleet.py).
 
     engine = make_engine(policy, cfg, seed=0)
-    harness = build_harness(engine, cfg, temperature=0.0)
+    outcomes = evaluate(engine, cfg, tasks, cache)   # one greedy episode per task
     load_weights(engine, policy.version, policy.state_dict())   # in place, between steps
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
+from ingest.rollout_events import RolloutGroup
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
 from simulate.harness import Harness, Segment
+from simulate.rollouts import SandboxCache, TaskOutcome, rollout_group, run_once
+from simulate.tasks import Task
 from trainer.bootstrap.config import BootstrapSettings
 from trainer.policy import Policy
 
@@ -36,3 +41,30 @@ def load_weights(engine: TorchEngine, version: int, state: Weights) -> None:
     """Hot-swap `state` into a running engine between decode steps (no restart)."""
     engine.call_between_steps(lambda model: model.load_state_dict(state)).result()
     engine.set_version(ModelVersion(version, state_dict_sha256(state)))
+
+
+def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
+             cache: SandboxCache) -> list[TaskOutcome]:
+    """One episode per task of the first `eval_tasks` (greedy by default)."""
+    harness = build_harness(engine, cfg, temperature=cfg.eval_temperature)
+    return asyncio.run(run_once(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
+
+
+def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, samples: int,
+                cache: SandboxCache) -> float:
+    """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
+    the training temperature. Comparing runs on one fixed task list removes the noise of
+    which tasks each run's last steps happened to draw."""
+    engine = make_engine(policy, cfg, seed=cfg.seed)
+    try:
+        harness = build_harness(engine, cfg, temperature=cfg.temperature)
+
+        async def groups() -> list[RolloutGroup]:
+            return list(await asyncio.gather(*(
+                rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
+                for i, task in enumerate(tasks))))
+
+        rewards = [t.reward for g in asyncio.run(groups()) for t in g.trajectories]
+    finally:
+        engine.close()
+    return sum(rewards) / max(1, len(rewards))

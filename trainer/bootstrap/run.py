@@ -10,7 +10,6 @@ wires them, evaluates held-out pass@1 before and after, and writes metrics and a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -33,8 +32,6 @@ from simulate.rollouts import (
     episode_shape,
     mean_episode_shape,
     pass_rate,
-    rollout_group,
-    run_once,
     solved,
     unpack_segments,
 )
@@ -48,7 +45,7 @@ from trainer.bootstrap.artifacts import (
 )
 from trainer.bootstrap.config import BootstrapSettings, ClipAnchor
 from trainer.bootstrap.fleet import LocalFleet, RolloutFleet, open_local_fleet
-from trainer.bootstrap.local_engine import build_harness, load_weights, make_engine
+from trainer.bootstrap.local_engine import evaluate, load_weights, make_engine
 from trainer.bootstrap.midtrain import cosine_factor
 from trainer.bootstrap.policy_publisher import PolicyPublisher, model_files
 from trainer.bootstrap.task_sampler import TaskSampler
@@ -147,33 +144,6 @@ class OfflineTrainer:
 
     def close(self) -> None:
         self.policy.optimizer.zero_grad(set_to_none=True)
-
-
-def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
-             cache: SandboxCache) -> list[TaskOutcome]:
-    """One episode per task of the first `eval_tasks` (greedy by default)."""
-    harness = build_harness(engine, cfg, temperature=cfg.eval_temperature)
-    return asyncio.run(run_once(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
-
-
-def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, samples: int,
-                cache: SandboxCache) -> float:
-    """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
-    the training temperature. Comparing runs on one fixed task list removes the noise of
-    which tasks each run's last steps happened to draw."""
-    engine = make_engine(policy, cfg, seed=cfg.seed)
-    try:
-        harness = build_harness(engine, cfg, temperature=cfg.temperature)
-
-        async def groups() -> list[RolloutGroup]:
-            return list(await asyncio.gather(*(
-                rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
-                for i, task in enumerate(tasks))))
-
-        rewards = [t.reward for g in asyncio.run(groups()) for t in g.trajectories]
-    finally:
-        engine.close()
-    return sum(rewards) / max(1, len(rewards))
 
 
 @dataclass
@@ -351,6 +321,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     source = build_task_source(cfg.tasks)
     train, held_out = source.split("train"), source.split("held_out")
     random.Random(cfg.seed).shuffle(held_out)
+    family = source.split("held_out_family")  # kinds of task never trained on
     mid = midtrain_on(policy, cfg, corpus_tasks(cfg, source, train),
                       stop=quality_stop(cfg, source), progress=progress)
     cache = SandboxCache(sandbox_runner(cfg.sandbox_url))
@@ -360,6 +331,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     try:
         start_eval = evaluate(eval_engine, cfg, held_out, cache)
         before = pass_rate(start_eval)
+        family_before = pass_rate(evaluate(eval_engine, cfg, family, cache)) if family else None
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), validation_tasks(cfg, source),
                        cache=cache, eval_engine=eval_engine, local=local,
@@ -370,6 +342,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
         load_weights(eval_engine, kept.version, kept.weights)
         end_eval = evaluate(eval_engine, cfg, held_out, cache)
         after = last_after = pass_rate(end_eval)
+        family_after = pass_rate(evaluate(eval_engine, cfg, family, cache)) if family else None
         if kept.version != policy.version:  # what the last version scores: reported, not used
             load_weights(eval_engine, policy.version, last)
             last_after = pass_rate(evaluate(eval_engine, cfg, held_out, cache))
@@ -380,7 +353,9 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     plot_run(run.history, run.evals, (before, after, kept.step), run_dir / "reward.png")
     changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, end_eval)
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
-    summary = {"pass_at_1_before": before, "pass_at_1_after": after, "steps": run.steps,
+    summary = {"pass_at_1_before": before, "pass_at_1_after": after,
+               "family_pass_at_1_before": family_before, "family_pass_at_1_after": family_after,
+               "steps": run.steps,
                "cheating_flagged": flagged, **mean_episode_shape(run.history)}
     summary["wall_s"] = round(time.monotonic() - start, 1)
     details = summary | {"midtrain_steps": mid.steps, "midtrain_loss": mid.final_loss,
@@ -392,6 +367,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
                          "kept_validation_pass_at_1": run.best and run.best.score,
                          "last_step_pass_at_1": last_after,
                          "held_out_tasks": min(len(held_out), cfg.eval_tasks),
+                         "family_tasks": min(len(family), cfg.eval_tasks),
                          "held_out_changes": changes,
                          "sandbox_cache_hits": cache.hits, "sandbox_runs": cache.misses,
                          "settings": json.loads(cfg.model_dump_json())}

@@ -26,9 +26,12 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
-    assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "steps", "cheating_flagged",
+    assert set(summary) == {"pass_at_1_before", "pass_at_1_after", "family_pass_at_1_before",
+                            "family_pass_at_1_after", "steps", "cheating_flagged",
                             "turns_per_episode", "summaries_per_episode", "tokens_per_window",
                             "ended_by_context", "wall_s"}
+    # the unseen templates' tasks, scored like the held-out ones (3 of them here)
+    assert 0.0 <= summary["family_pass_at_1_after"] <= 1.0
     assert 1 <= summary["turns_per_episode"] <= 3 and summary["tokens_per_window"] > 0
     assert summary["steps"] == 2 and 0.0 <= summary["pass_at_1_after"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 0
@@ -42,6 +45,7 @@ def test_bootstrap_smoke_writes_run_dir_and_json_line(
         [r["reward"] for r in rows])
     details = json.loads((run_dir / "summary.json").read_text())
     assert details["steps"] == 2 and (run_dir / "model" / "config.json").exists()
+    assert details["family_tasks"] == 3
     # scored at the start and at both steps; the best (the latest on a tie) is the one kept
     scores = [score for _, score in details["validation_evals"]]
     assert [step for step, _ in details["validation_evals"]] == [0, 1, 2]
@@ -60,7 +64,7 @@ def test_mean_reward_is_the_seeded_expected_reward_on_a_fixed_task_list(model_di
     from simulate.rollouts import SandboxCache
     from simulate.tasks import BuiltinTaskSource
     from trainer.bootstrap.config import BootstrapSettings
-    from trainer.bootstrap.run import mean_reward
+    from trainer.bootstrap.local_engine import mean_reward
     from trainer.policy import Policy
 
     cfg = BootstrapSettings(max_tokens=8, max_turns=2)
