@@ -103,6 +103,17 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
 
 
+class ToolUse(BaseModel):
+    """What a generation offered tools did with them, as the server parsed it: the calls it
+    made, the call blocks it botched (unparseable, an unknown tool, arguments off the schema),
+    and whether a reply without calls ended in a question (asking instead of acting). The
+    monitors of trainer/release/monitors.py count these per version."""
+
+    calls: int = Field(default=0, ge=0)
+    invalid: int = Field(default=0, ge=0)
+    question: bool = False
+
+
 class GenerationLogged(BaseModel):
     """One completion exactly as served: the trainer can recompute it token for token."""
 
@@ -123,6 +134,7 @@ class GenerationLogged(BaseModel):
     sampling: SamplingParams
     finish_reason: Literal["stop", "length", "cancelled"]
     latency_ms: float = Field(ge=0.0)
+    tool_use: ToolUse | None = None  # None: no tools were offered
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationLogged:

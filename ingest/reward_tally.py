@@ -9,16 +9,13 @@ mean reward, the share with a positive reward (accepted). The console draws thes
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ingest.config import KafkaConfig
 from ingest.events import ExperienceReady
-from ingest.topic_reader import TopicReader
-
-log = logging.getLogger(__name__)
+from ingest.topic_reader import TopicFollower
 
 
 @dataclass
@@ -51,11 +48,11 @@ class RewardTally:
         self.config, self.bucket_s = config, bucket_s
         self._versions: dict[int, VersionTally] = defaultdict(VersionTally)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reward-tally", daemon=True)
+        self._follower = TopicFollower(config, config.topics.experiences, ExperienceReady,
+                                       self.add, name="reward-tally")
 
     def start(self) -> RewardTally:
-        self._thread.start()
+        self._follower.start()
         return self
 
     def add(self, events: list[ExperienceReady]) -> None:
@@ -76,21 +73,5 @@ class RewardTally:
                                 for f in [bucket.figures()]]}
                     for v, t in sorted(self._versions.items())]
 
-    def _run(self) -> None:
-        try:
-            reader = TopicReader(self.config, self.config.topics.experiences, ExperienceReady)
-        except Exception:  # the console shows nothing tallied; the log says why
-            log.exception("reward tally could not start")
-            return
-        try:
-            while not self._stop.is_set():
-                self.add([record.event for record in reader.poll(timeout_ms=500)])
-        except Exception:  # the console shows what was tallied; the log says why it stopped
-            log.exception("reward tally stopped")
-        finally:
-            reader.close()
-
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self._follower.close()

@@ -2,14 +2,18 @@
 
 `TopicReader` follows one topic from where it is told (the beginning, the end, a group's
 committed offsets, stored offsets) and decodes its records (the online trainer's experiences,
-a replica's releases, the bootstrap's rollout groups, the console's tally); `read_raw`,
+a replica's releases, the bootstrap's rollout groups); `TopicFollower` does it in a thread
+from the beginning for the console's tally and the trainer's monitors; `read_raw`,
 `read_all` and `scan_keys` read a topic to its end once (tests, the demo, the join's tail
 scan). Decoding and dead letters are ingest/log.py's.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Generic, Literal, TypeVar
 
 from kafka import KafkaConsumer, TopicPartition
@@ -21,6 +25,7 @@ from ingest.events import decode
 from ingest.log import Delivered, EventProducer, decode_polled, send_dead_letters
 
 E = TypeVar("E", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 Offsets = dict[str, int]  # "topic:partition" -> the next offset to read
@@ -202,3 +207,38 @@ def read_all(config: KafkaConfig, topic: str, event_type: type[E], *,
     """Every record on `topic`, decoded as `event_type` (tests, the demo, operators)."""
     return [decode(event_type, value) for _, value in read_raw(config, topic,
                                                                timeout_s=timeout_s) if value]
+
+
+class TopicFollower(Generic[E]):
+    """A thread that follows `topic` from the beginning, as a reader outside any group, and
+    hands each poll's events to `on_events`, until `close`. A reader that cannot start, or a
+    failure while following, is logged and ends the thread: what was handed over stays."""
+
+    def __init__(self, config: KafkaConfig, topic: str, event_type: type[E],
+                 on_events: Callable[[list[E]], None], *, name: str) -> None:
+        self.config, self.topic, self.event_type = config, topic, event_type
+        self.on_events, self.name = on_events, name
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            reader = TopicReader(self.config, self.topic, self.event_type, name=self.name)
+        except Exception:  # the follower's owner sees nothing; the log says why
+            log.exception("%s could not follow %s", self.name, self.topic)
+            return
+        try:
+            while not self._stop.is_set():
+                self.on_events([record.event for record in reader.poll(timeout_ms=500)])
+        except Exception:  # what was handed over stays; the log says why it stopped
+            log.exception("%s stopped following %s", self.name, self.topic)
+        finally:
+            reader.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)

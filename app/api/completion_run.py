@@ -13,9 +13,9 @@ from fastapi import Request
 from app.api.completion_plan import Choice, Plan
 from app.api.errors import ApiError
 from app.api.services import Services
-from ingest.events import GenerationLogged, PackedArray
+from ingest.events import GenerationLogged, PackedArray, ToolUse
 from serving.engine import EngineClosedError, EngineError, GenerationDelta
-from serving.tool_parsers import CallEvent
+from serving.tool_parsers import CallEvent, CallParser
 
 Step = tuple[Choice, GenerationDelta, list[str | CallEvent]]
 
@@ -79,11 +79,19 @@ def log_choice(services: Services, p: Plan, choice: Choice) -> None:
         routed_experts=PackedArray.pack(routes, "int16") if routes is not None else None,
         routes_absent=result.routes_absent if result is not None and routes is None else None,
         sampling=p.sampling, finish_reason=result.finish_reason if result else "cancelled",
-        latency_ms=(now - choice.started) * 1000)
+        latency_ms=(now - choice.started) * 1000, tool_use=tool_use(choice.calls))
     if services.session_log is not None:
         services.session_log.submit(event)
     else:
         services.producer.send(services.kafka.topics.sessions, choice.generation_id, event)
+
+
+def tool_use(calls: CallParser | None) -> ToolUse | None:
+    """The log's summary of a generation's calls (None: no tools offered)."""
+    if calls is None:
+        return None
+    asked = not calls.calls and calls.content.rstrip().endswith("?")
+    return ToolUse(calls=len(calls.calls), invalid=len(calls.invalid), question=asked)
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -57,11 +57,18 @@ class _LiveState(Collector):
         yield lag
 
     def _trainer(self) -> Iterator[Metric]:
-        from trainer.online.control import ensure_control_tables, read_status
+        from trainer.online.control import breach_counts, ensure_control_tables, read_status
 
-        row = read_status(ensure_control_tables(self.trainer_db))
+        db = ensure_control_tables(self.trainer_db)
+        row = read_status(db)
         if row is None:  # no trainer has reported yet
             return
+        breaches = CounterMetricFamily("flywheel_monitor_breaches",
+                                       "Reward-hacking monitors that tripped, by monitor",
+                                       labels=["monitor"])
+        for monitor, count in sorted(breach_counts(db).items()):
+            breaches.add_metric([monitor], count)
+        yield breaches
         yield GaugeMetricFamily("flywheel_online_step", "The online trainer's optimizer steps",
                                 value=row.step)
         yield CounterMetricFamily("flywheel_online_experiences_trained",

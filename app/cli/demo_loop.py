@@ -15,7 +15,7 @@
    a table, a PNG (live acceptance per version, held-out pass@1 per release) and one JSON line
    {"acceptance_by_version": {...}, "acceptance_gain_points": ..., "held_out_by_version":
    {...}, "held_out_gain_points": ..., "releases": ..., "failed_requests": ...,
-   "cheating_flagged": ..., "wall_s": ...}.
+   "cheating_flagged": ..., "monitor_breaches": ..., "wall_s": ...}.
 """
 
 from __future__ import annotations
@@ -195,8 +195,9 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
         finally:
             stop.set()
             join.join(timeout=60)
-        releases = watch.releases()
-    return report(settings, developers.population, releases, time.monotonic() - started)
+        releases, breaches = watch.releases(), watch.breaches()
+    return report(settings, developers.population, releases, len(breaches),
+                  time.monotonic() - started)
 
 
 class TrainerProcess:
@@ -246,6 +247,12 @@ class LiveView:
         reply.raise_for_status()
         return sorted(reply.json(), key=lambda r: r["version"])
 
+    def breaches(self) -> list[dict[str, Any]]:
+        """The reward-hacking monitors' breaches (each pauses the trainer)."""
+        reply = self.http.get("/admin/trainer")
+        reply.raise_for_status()
+        return list((reply.json().get("trainer") or {}).get("breaches") or [])
+
     def follow(self, developers: DeveloperThread, trainer: TrainerProcess) -> None:
         """Until `plan.releases` releases were served and the newest one has served
         `plan.min_sessions` sessions, or `plan.max_loop_s`."""
@@ -260,6 +267,11 @@ class LiveView:
                 if developers.error is not None:
                     raise developers.error
                 trainer.check()
+                if breaches := self.breaches():  # the trainer is paused: no more releases
+                    bar.write("the monitors paused the trainer: " + "; ".join(
+                        f"{b['monitor']} on v{b['version']} ({b['value']:.3f} against "
+                        f"{b['baseline']:.3f})" for b in breaches))
+                    break
                 served = self._served_version()
                 for row in self.releases():
                     if row["version"] > 0 and row["version"] not in seen \
@@ -309,7 +321,7 @@ def held_out_by_version(releases: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
-           wall_s: float) -> int:
+           breaches: int, wall_s: float) -> int:
     stats = population.stats
     by = {v: s for v, s in sorted(stats.by_version.items())}
     held_out = held_out_by_version(releases)
@@ -333,6 +345,7 @@ def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
         "releases": max(0, len(versions) - 1),
         "failed_requests": stats.failed_requests,
         "cheating_flagged": stats.cheating_flagged,
+        "monitor_breaches": breaches,
         "wall_s": round(wall_s, 1)}))
     return 0
 

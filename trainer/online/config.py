@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
+from trainer.release.config import MonitorSettings
 
 MAX_STALENESS = 63  # the trainer keeps the publication times of its last 64 releases
 
@@ -87,6 +88,8 @@ class OnlineTrainerSettings(BaseModel):
     max_staleness: int | None = Field(default=None, ge=0, le=MAX_STALENESS)
     kl_coef: float = Field(default=0.02, ge=0.0, description="KL anchor to the served release")
     anchor: FormatAnchorSettings = FormatAnchorSettings()
+    # reward-hacking monitors on the served versions' traffic (trainer/online/monitor_watch.py)
+    monitors: MonitorSettings = MonitorSettings()
     normalize_advantages: bool = False
     router_replay: bool = True
     baseline: BaselineSettings = BucketMeanBaseline()

@@ -8,6 +8,8 @@ share the SQL database, so control is a command queue plus a status row there:
   A command survives a trainer restart (it stays pending until a trainer handles it).
 - `trainer_status`: one row the trainer upserts after each step and control poll (step,
   consumed, lag, paused, last release); GET /admin/status reads it.
+- `monitor_breach`: a row per reward-hacking monitor that tripped (trainer/online/
+  monitor_watch.py), with the sessions that showed it; GET /admin/trainer lists the newest.
 
 Chosen over Kafka control messages because a command must be applied exactly once by
 whichever trainer is alive, and the answer (status) is state to read, not a stream.
@@ -15,15 +17,17 @@ whichever trainer is alive, and the answer (status) is state to read, not a stre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import JSON, Column, Engine
-from sqlmodel import Field, Session, SQLModel, col, select
+from sqlmodel import Field, Session, SQLModel, col, func, select
 
 from ingest.events import utcnow
 from ingest.sql import create_tables, open_database
+from trainer.release.monitors import Breach
 
 CommandKind = Literal["pause", "resume", "release"]
 STATUS_ROW = 1
@@ -56,7 +60,24 @@ class TrainerStatus(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow)
 
 
-CONTROL_TABLES = [TrainerCommand.__table__, TrainerStatus.__table__]  # type: ignore[attr-defined]
+class MonitorBreachRow(SQLModel, table=True):
+    """A reward-hacking monitor that tripped (trainer/release/monitors.py): the trainer paused
+    and holds its releases until an admin resumes it."""
+
+    __tablename__ = "monitor_breach"
+
+    id: int | None = Field(default=None, primary_key=True)
+    monitor: str = Field(max_length=64)
+    version: int
+    value: float
+    baseline: float
+    threshold: float
+    sessions: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    created_at: datetime = Field(default_factory=utcnow, index=True)
+
+
+CONTROL_TABLES = [TrainerCommand.__table__, TrainerStatus.__table__,  # type: ignore[attr-defined]
+                  MonitorBreachRow.__table__]  # type: ignore[attr-defined]
 
 
 def ensure_control_tables(db: Engine) -> Engine:
@@ -82,6 +103,21 @@ def enqueue_command(db: Engine, kind: CommandKind, *, requested_by: str = "admin
 def read_status(db: Engine) -> TrainerStatus | None:
     with Session(db) as session:
         return session.get(TrainerStatus, STATUS_ROW)
+
+
+def recent_breaches(db: Engine, limit: int = 20) -> list[MonitorBreachRow]:
+    """The newest breaches first."""
+    with Session(db) as session:
+        return list(session.exec(select(MonitorBreachRow)
+                                 .order_by(col(MonitorBreachRow.id).desc()).limit(limit)).all())
+
+
+def breach_counts(db: Engine) -> dict[str, int]:
+    """Breaches so far, by monitor."""
+    with Session(db) as session:
+        rows = session.exec(select(MonitorBreachRow.monitor, func.count())
+                            .group_by(col(MonitorBreachRow.monitor))).all()
+        return {monitor: count for monitor, count in rows}
 
 
 @dataclass(frozen=True)
@@ -118,4 +154,11 @@ class SqlTrainerControl:
             row = session.get(TrainerStatus, STATUS_ROW) or TrainerStatus()
             row.sqlmodel_update({**fields, "updated_at": utcnow()})
             session.add(row)
+            session.commit()
+
+    def record_breaches(self, breaches: Sequence[Breach]) -> None:
+        with Session(self.db) as session:
+            session.add_all(MonitorBreachRow(
+                monitor=b.monitor, version=b.version, value=b.value, baseline=b.baseline,
+                threshold=b.threshold, sessions=list(b.sessions)) for b in breaches)
             session.commit()

@@ -29,7 +29,9 @@ from ingest.topic_reader import Offsets, TopicReader, offset_key
 from trainer.checkpoint import Ledger
 from trainer.distributed import World
 from trainer.online.config import MAX_STALENESS, OnlineTrainerSettings
+from trainer.online.monitor_watch import MonitorWatch
 from trainer.online.trainer import OnlineTrainer
+from trainer.release.monitors import Breach
 from trainer.release.pipeline import ReleaseSink
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
@@ -130,6 +132,8 @@ class TrainerControl(Protocol):
 
     def publish(self, **fields: Any) -> None: ...
 
+    def record_breaches(self, breaches: Sequence[Breach]) -> None: ...
+
 
 class OnlineLoop:
     """Poll -> batch -> step -> checkpoint -> commit; control commands; release cadence."""
@@ -139,15 +143,17 @@ class OnlineLoop:
                  release_sink: ReleaseSink | None = None,
                  control: TrainerControl | None = None,
                  on_step: Callable[[dict[str, float]], None] | None = None,
-                 trackers: Trackers | None = None, forgotten: Forgotten | None = None
-                 ) -> None:
+                 trackers: Trackers | None = None, forgotten: Forgotten | None = None,
+                 watch: MonitorWatch | None = None) -> None:
         self.trainer, self.source, self.cfg = trainer, source, trainer.cfg
         self.trackers = trackers
         self.candidate_dir, self.latest_candidate = candidate_dir, latest_candidate
         self.release_sink, self.control, self.on_step = release_sink, control, on_step
-        self.forgotten = forgotten
+        self.forgotten, self.watch = forgotten, watch
         self.pending: list[Delivered[Any]] = []
         self.paused = False
+        self.held: list[Breach] = []  # monitors that tripped: no release until resumed
+        self._next_watch = 0.0
         self.skipped = self.dropped = self.stale = 0
         self.releases: list[dict[str, Any]] = []
         self._next_control = 0.0
@@ -158,6 +164,7 @@ class OnlineLoop:
         stop = stop or threading.Event()
         while not stop.is_set() and not self._done():
             self._handle_control()
+            self._watch_monitors()
             if self.paused:
                 stop.wait(self.cfg.control_every_s)
                 continue
@@ -205,6 +212,9 @@ class OnlineLoop:
             log.info("passed over %d experiences staler than %d releases", batch.stale,
                      self.cfg.max_staleness)
         metrics = self.trainer.step(batch.experiences)
+        if self.watch is not None:
+            self.watch.note_step(metrics)
+            self.watch.note_experiences(batch.experiences)
         self.trainer.state.offsets.update(batch.offsets)
         if self.trainer.state.step % self.cfg.checkpoint_every_steps == 0 or self._done():
             self._checkpoint()
@@ -233,7 +243,11 @@ class OnlineLoop:
                 "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
 
     def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
-        """Hand the current weights to the release pipeline with their provenance."""
+        """Hand the current weights to the release pipeline with their provenance (none while
+        a monitor's breach holds the trainer)."""
+        if self.held:
+            return {"released": False, "reason": "held by the monitors until the trainer is "
+                    "resumed: " + "; ".join(b.describe() for b in self.held)}
         state = self.trainer.state
         state.last_release_wall, state.last_release_step = time.time(), state.step
         if self.release_sink is None or state.step <= state.release_from_step:
@@ -256,6 +270,8 @@ class OnlineLoop:
                   "step_range": provenance["step_range"]}
         if outcome.published:
             self.trainer.adopt_reference()  # the KL anchor follows the served release
+            if self.watch is not None:
+                self.watch.note_release(outcome.version, outcome.parent, outcome.eval_summary)
             state.release_from_step = state.step
             state.last_release = {**result, "at": time.time()}
             kept = MAX_STALENESS + 1
@@ -276,13 +292,31 @@ class OnlineLoop:
             result: dict[str, Any]
             if command.kind == "pause":
                 self.paused, result = True, {"paused": True}
-            elif command.kind == "resume":
-                self.paused, result = False, {"paused": False}
+            elif command.kind == "resume":  # acknowledges what the monitors found
+                self.paused, self.held, result = False, [], {"paused": False}
             elif command.kind == "release":
                 result = self.release(requested_by=command.requested_by, reason=command.reason)
             else:
                 result = {"error": f"unknown command {command.kind!r}"}
             self.control.done(command.id, result)
+        self._publish_status()
+
+    def _watch_monitors(self) -> None:
+        """A monitor's breach pauses the trainer and holds its releases until resumed."""
+        if self.watch is None or time.monotonic() < self._next_watch:
+            return
+        self._next_watch = time.monotonic() + self.cfg.control_every_s
+        breaches = self.watch.new_breaches()
+        if not breaches:
+            return
+        for breach in breaches:
+            log.warning("monitor tripped: %s; the trainer pauses until resumed",
+                        breach.describe())
+        self.paused, self.held = True, [*self.held, *breaches]
+        if self.control is not None:
+            self.control.record_breaches(breaches)
+        if self.trackers is not None:
+            self.trackers.report(self.trainer.state.step, {"monitor_breaches": len(breaches)})
         self._publish_status()
 
     def _publish_status(self) -> None:
@@ -349,13 +383,16 @@ def run_online(settings: OnlineProcessSettings, *, world: World | None = None,
     source = experience_source(kafka, group_id=cfg.group_id, dlq=dlq)
     trackers = build_trackers(settings.trackers, "online", root,
                               params=cfg.model_dump(mode="json", exclude={"baseline"}))
+    watch = MonitorWatch(kafka, cfg.monitors).start() if cfg.monitors.enabled else None
     try:
         loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
                           latest_candidate=settings.resolved_candidate_path,
                           release_sink=release_sink, control=control, on_step=on_step,
-                          trackers=trackers, forgotten=forgotten)
+                          trackers=trackers, forgotten=forgotten, watch=watch)
         return loop.run(stop)
     finally:
+        if watch is not None:
+            watch.close()
         trackers.close()
         trainer.finish()
         source.close()

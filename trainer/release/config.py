@@ -102,6 +102,32 @@ class CanarySettings(BaseModel):
                               description="candidate sessions without a decision: hold")
 
 
+class MonitorSettings(BaseModel):
+    """The reward-hacking monitors of trainer/release/monitors.py: how far a version may move
+    from the one before it before a monitor trips. Rates are shares of the generations
+    offered tools; a rise trips when it passes its threshold and the one-sided test at
+    `confidence` says it is real."""
+
+    enabled: bool = True
+    min_generations: int = Field(default=200, ge=1,
+                                 description="per version, before a rate monitor can trip")
+    confidence: float = Field(default=0.99, gt=0.5, lt=1.0)
+    invalid_call_rise: float = Field(default=0.05, ge=0.0,
+                                     description="turns with a botched tool call")
+    no_call_rise: float = Field(default=0.10, ge=0.0,
+                                description="turns offered tools that made no call")
+    question_rise: float = Field(default=0.05, ge=0.0,
+                                 description="turns that asked a question instead of acting")
+    length_ratio: float = Field(default=1.5, gt=1.0,
+                                description="mean completion tokens over the version before")
+    acceptance_gap: float = Field(default=0.15, ge=0.0,
+                                  description="live acceptance's rise minus held-out "
+                                              "pass@1's: the two moving apart")
+    max_kl: float = Field(default=0.5, gt=0.0,
+                          description="the online trainer's KL to the served release")
+    max_clip_fraction: float = Field(default=0.3, gt=0.0, le=1.0)
+
+
 class ReleaseSettings(BaseModel):
     """The release pipeline (trainer/release/pipeline.py) and the replicas that follow it."""
 

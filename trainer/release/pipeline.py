@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -268,6 +268,8 @@ class ReleaseOutcome:
     published: bool
     sha256: str
     reason: str = ""
+    parent: int | None = None  # the version it was measured against and deltas from
+    eval_summary: dict[str, float] = field(default_factory=dict)  # the gate's figures
 
 
 class ReleaseSink(Protocol):
@@ -290,4 +292,5 @@ class PipelineReleaseSink:
             row = build_release(ctx, candidate=candidate, requested_by=requested_by,
                                 reason=reason, provenance=provenance)
         return ReleaseOutcome(version=row.version, published=row.status == "published",
-                              sha256=row.sha256, reason=row.reason)
+                              sha256=row.sha256, reason=row.reason, parent=row.parent,
+                              eval_summary=dict(row.eval_summary))

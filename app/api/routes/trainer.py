@@ -5,6 +5,9 @@
     POST /admin/trainer/release    202 {command_id}: hand the current weights to the release
                                    pipeline now, with their step range and ids
     GET  /admin/trainer            the trainer's status row (step, consumed, lag, last release)
+                                   and the reward-hacking monitors' newest breaches (a breach
+                                   pauses the trainer and holds its releases; resume
+                                   acknowledges it)
 
 The trainer is another process; these write to the SQL command queue it polls
 (trainer/online/control.py) and read the status row it keeps.
@@ -38,11 +41,16 @@ class TrainerStatusOut(BaseModel):
 
 
 def trainer_status(services: Any) -> dict[str, Any] | None:
-    """The status row as JSON, or None before any trainer reported (used by /admin/status)."""
-    from trainer.online.control import ensure_control_tables, read_status
+    """The status row as JSON with the monitors' newest breaches, or None before any trainer
+    reported (used by /admin/status)."""
+    from trainer.online.control import ensure_control_tables, read_status, recent_breaches
 
-    row = read_status(ensure_control_tables(services.db))
-    return None if row is None else row.model_dump(mode="json", exclude={"id"})
+    db = ensure_control_tables(services.db)
+    row = read_status(db)
+    if row is None:
+        return None
+    breaches = [b.model_dump(mode="json", exclude={"id"}) for b in recent_breaches(db)]
+    return {**row.model_dump(mode="json", exclude={"id"}), "breaches": breaches}
 
 
 _ERRORS = error_responses(401, 422)

@@ -151,7 +151,11 @@ function drawTrainer(trainer, produced) {
     ["consumed / produced", `${trainer.consumed} / ${produced}`],
     ["lag (experiences)", trainer.lag ?? "–"],
     ["last release", trainer.last_release_version == null ? "–"
-      : `v${trainer.last_release_version}`]];
+      : `v${trainer.last_release_version}`],
+    ["monitors", (trainer.breaches || []).length === 0 ? "no breach"
+      : trainer.breaches.map((b) => `${b.monitor} on v${b.version}: ${fmt(b.value, 3)} against `
+        + `${fmt(b.baseline, 3)} (threshold ${b.threshold}); sessions `
+        + `${b.sessions.slice(0, 5).join(", ") || "–"}`).join(" · ")]];
   dl.replaceChildren(...items.flatMap(([k, v]) => [el("dt", {}, k),
     el("dd", { "data-field": k }, v)]));
 }

@@ -25,6 +25,8 @@ from ingest.log import EventProducer
 from ingest.sql import open_database
 from tests.conftest import flywheel_up
 from tests.trainer.helpers import make_checkpoint, make_experiences
+from trainer.online.control import SqlTrainerControl, open_control_db
+from trainer.release.monitors import Breach
 
 pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -139,4 +141,15 @@ def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path, 
         rows = browser.find_elements(By.CSS_SELECTOR, "#acceptance tbody tr")
         assert [r.get_attribute("data-version") for r in rows] == ["0", "1"]
         browser.save_screenshot(str(shots / "4-acceptance.png"))
+
+        # a trainer the monitors paused: the breach and the sessions that showed it
+        control = SqlTrainerControl(open_control_db(f"sqlite:///{data / 'flywheel.db'}"))
+        control.publish(step=3, consumed=12, paused=True, metrics={})
+        control.record_breaches([Breach("invalid_call", 1, 0.31, 0.10, 0.05,
+                                        ("dev-42", "dev-43"))])
+        wait.until(lambda d: "invalid_call on v1" in find(
+            '#trainer dd[data-field="monitors"]').text)
+        assert "dev-42" in find('#trainer dd[data-field="monitors"]').text
+        assert find('#trainer dd[data-field="paused"]').text == "yes"
+        browser.save_screenshot(str(shots / "5-monitors.png"))
     assert all((shots / name).stat().st_size > 0 for name in os.listdir(shots))

@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
+from app.api.completion_plan import GENERATION_HEADER
 from app.cli.stack import RunningStack, running_stack
 from ingest.broker import EmbeddedBroker
+from ingest.events import ToolUse
 from tests.app.api.helpers import (
     NAMED,
     TOOLS,
@@ -23,6 +25,7 @@ from tests.app.api.helpers import (
     check_required_and_named_choices,
     check_streamed_calls_match,
     check_tools_reach_the_prompt,
+    wait_for_sessions,
 )
 from tests.conftest import stack_settings
 
@@ -128,9 +131,19 @@ def test_a_call_cut_short_is_content_and_counted(client: openai.OpenAI,
                    if line.startswith("flywheel_invalid_tool_calls_total{"))
 
     before = invalid()
-    reply = client.chat.completions.create(model="flywheel", messages=USER, tools=TOOLS,
-                                           tool_choice="required", seed=0, max_tokens=20)
-    c = reply.choices[0]
+    raw = client.chat.completions.with_raw_response.create(
+        model="flywheel", messages=USER, tools=TOOLS, tool_choice="required", seed=0,
+        max_tokens=20)
+    c = raw.parse().choices[0]
     assert c.finish_reason == "length" and c.message.tool_calls is None
     assert (c.message.content or "").startswith("<tool_call>")
     assert invalid() == before + 1
+    # and the log says so, for the monitors; a call that parsed is logged as one
+    cut = raw.headers[GENERATION_HEADER]
+    whole = client.chat.completions.with_raw_response.create(
+        model="flywheel", messages=USER, tools=TOOLS, tool_choice=NAMED, temperature=1.0, seed=0,
+        max_tokens=128, parallel_tool_calls=False)
+    made = whole.headers[GENERATION_HEADER]
+    logged = wait_for_sessions(stack.kafka, {cut, made})
+    assert logged[cut].tool_use == ToolUse(calls=0, invalid=1, question=False)
+    assert logged[made].tool_use == ToolUse(calls=1, invalid=0, question=False)
