@@ -46,6 +46,14 @@ def write_outcomes(path: Path, before: list[TaskOutcome],
     return changes
 
 
+def write_final_outcomes(path: Path, outcomes: list[TaskOutcome]) -> None:
+    """Each task's greedy outcome and final solution at the kept version, one JSON line each."""
+    with path.open("w") as f:
+        for o in outcomes:
+            f.write(json.dumps({"task_id": o.task_id, "passed": o.passed,
+                                "solution": o.solution}) + "\n")
+
+
 def save_version(policy: Policy, kept: KeptVersion, out_dir: Path) -> Path:
     """The kept version's weights and the tokenizer as a Hugging Face model directory (the
     policy's own save when it is the current version)."""

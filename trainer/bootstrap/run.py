@@ -41,6 +41,7 @@ from trainer.bootstrap.artifacts import (
     append_metrics,
     plot_run,
     save_version,
+    write_final_outcomes,
     write_outcomes,
 )
 from trainer.bootstrap.config import BootstrapSettings, ClipAnchor
@@ -331,7 +332,6 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     try:
         start_eval = evaluate(eval_engine, cfg, held_out, cache)
         before = pass_rate(start_eval)
-        family_before = pass_rate(evaluate(eval_engine, cfg, family, cache)) if family else None
         midtrain_s = time.monotonic() - start
         run = run_grpo(policy, cfg, rl_tasks(cfg, source, train), validation_tasks(cfg, source),
                        cache=cache, eval_engine=eval_engine, local=local,
@@ -342,7 +342,7 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
         load_weights(eval_engine, kept.version, kept.weights)
         end_eval = evaluate(eval_engine, cfg, held_out, cache)
         after = last_after = pass_rate(end_eval)
-        family_after = pass_rate(evaluate(eval_engine, cfg, family, cache)) if family else None
+        family_end = evaluate(eval_engine, cfg, family, cache)
         if kept.version != policy.version:  # what the last version scores: reported, not used
             load_weights(eval_engine, policy.version, last)
             last_after = pass_rate(evaluate(eval_engine, cfg, held_out, cache))
@@ -352,9 +352,11 @@ def _bootstrap(policy: Policy, cfg: BootstrapSettings, run_dir: Path, local: Loc
     save_version(policy, kept, run_dir / "model")
     plot_run(run.history, run.evals, (before, after, kept.step), run_dir / "reward.png")
     changes = write_outcomes(run_dir / "held_out.jsonl", start_eval, end_eval)
+    write_final_outcomes(run_dir / "held_out_family.jsonl", family_end)
+    family_after = pass_rate(family_end) if family else None
     flagged = int(sum(h.get("cheating_flagged", 0.0) for h in run.history))
     summary = {"pass_at_1_before": before, "pass_at_1_after": after,
-               "family_pass_at_1_before": family_before, "family_pass_at_1_after": family_after,
+               "family_pass_at_1_after": family_after,
                "steps": run.steps,
                "cheating_flagged": flagged, **mean_episode_shape(run.history)}
     summary["wall_s"] = round(time.monotonic() - start, 1)
