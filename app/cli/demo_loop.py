@@ -77,7 +77,13 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     # probability moving at most 1 +- clip from the served one's, whatever the steps; truncated
     # IS lets the decisions the feedback is about move, and the KL to the served release at
     # 0.1 holds the rest (docs/demo.md: live +20.4 / held-out +16.2 against +3.9 / -2.8)
+    # the monitors report in the demo, and do not pause it: its small model's turn after a
+    # failed test shifts between releases (v1 botched 13% of its calls where v0 botched 7% in
+    # one run) with no reward to gain from it; the demo measures learning, and shows what the
+    # monitors saw (docs/demo.md)
+    monitors = settings.online.monitors.model_copy(update={"on_breach": "report"})
     online = settings.online.model_copy(update={
+        "monitors": monitors,
         "release_every_steps": plan.release_every_steps, "stop_after_releases": plan.releases,
         "threads": 1, "lr": 2e-4, "anchor": anchor, "max_staleness": 0,
         "objective": "truncated_is", "kl_coef": 0.1,
@@ -248,7 +254,7 @@ class LiveView:
         return sorted(reply.json(), key=lambda r: r["version"])
 
     def breaches(self) -> list[dict[str, Any]]:
-        """The reward-hacking monitors' breaches (each pauses the trainer)."""
+        """The reward-hacking monitors' breaches, newest first."""
         reply = self.http.get("/admin/trainer")
         reply.raise_for_status()
         return list((reply.json().get("trainer") or {}).get("breaches") or [])
@@ -261,17 +267,18 @@ class LiveView:
         stats = developers.population.stats
         started = time.monotonic()
         seen: set[int] = set()
+        shown: list[dict[str, Any]] = []
         bar = tqdm(total=self.plan.releases, desc="releases", unit="release", dynamic_ncols=True)
         try:
             while time.monotonic() - started < self.plan.max_loop_s:
                 if developers.error is not None:
                     raise developers.error
                 trainer.check()
-                if breaches := self.breaches():  # the trainer is paused: no more releases
-                    bar.write("the monitors paused the trainer: " + "; ".join(
-                        f"{b['monitor']} on v{b['version']} ({b['value']:.3f} against "
-                        f"{b['baseline']:.3f})" for b in breaches))
-                    break
+                for b in self.breaches()[::-1][len(shown):]:  # oldest first
+                    shown.append(b)
+                    bar.write(f"monitor {b['monitor']} tripped on v{b['version']}: "
+                              f"{b['value']:.3f} against {b['baseline']:.3f} (threshold "
+                              f"{b['threshold']}), e.g. sessions {', '.join(b['sessions'][:3])}")
                 served = self._served_version()
                 for row in self.releases():
                     if row["version"] > 0 and row["version"] not in seen \

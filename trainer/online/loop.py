@@ -302,17 +302,16 @@ class OnlineLoop:
         self._publish_status()
 
     def _watch_monitors(self) -> None:
-        """A monitor's breach pauses the trainer and holds its releases until resumed."""
+        """Record what the monitors found; a breach pauses the trainer and holds its releases
+        until resumed (`monitors.on_breach` "pause")."""
         if self.watch is None or time.monotonic() < self._next_watch:
             return
         self._next_watch = time.monotonic() + self.cfg.control_every_s
-        breaches = self.watch.new_breaches()
-        if not breaches:
+        if not (breaches := self.watch.new_breaches()):
             return
-        for breach in breaches:
-            log.warning("monitor tripped: %s; the trainer pauses until resumed",
-                        breach.describe())
-        self.paused, self.held = True, [*self.held, *breaches]
+        log.warning("monitors tripped: %s", "; ".join(b.describe() for b in breaches))
+        if self.cfg.monitors.on_breach == "pause":
+            self.paused, self.held = True, [*self.held, *breaches]
         if self.control is not None:
             self.control.record_breaches(breaches)
         if self.trackers is not None:

@@ -109,6 +109,9 @@ class MonitorSettings(BaseModel):
     `confidence` says it is real."""
 
     enabled: bool = True
+    # "pause": a breach pauses the trainer and holds its releases until resumed; "report":
+    # it is recorded and shown, and training and releases go on
+    on_breach: Literal["pause", "report"] = "pause"
     min_generations: int = Field(default=200, ge=1,
                                  description="per version, before a rate monitor can trip")
     confidence: float = Field(default=0.99, gt=0.5, lt=1.0)

@@ -73,6 +73,15 @@ def test_a_version_that_botches_its_calls_pauses_the_trainer_and_holds_its_relea
         assert not loop.paused and not loop.held
         loop._watch_monitors()
         assert not loop.paused and len(recent_breaches(db)) == 1
+        # report only: the next breach is recorded, and the trainer goes on
+        loop.cfg = loop.cfg.model_copy(update={"monitors": MonitorSettings(
+            on_breach="report")})
+        watch.monitors.settings = MonitorSettings(min_generations=200, max_kl=0.01)
+        for _ in range(10):
+            watch.note_step({"kl": 0.05})
+        loop._watch_monitors()
+        assert [b.monitor for b in recent_breaches(db)] == ["trainer_kl", "invalid_call"]
+        assert not loop.paused and not loop.held
     finally:
         watch.close()
         source.close()
