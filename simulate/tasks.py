@@ -18,10 +18,9 @@ Three disjoint splits, a pure function of the task id (`split_of`), so every pro
 ask the served model for: live traffic, trained on only through their feedback) and
 `held_out` (never served, never trained on: the eval gate's and the bootstrap's measure).
 A fourth, `held_out_family`, is by kind of task rather than by task: every task of a family
-named in `held_out_families` (and, in the built-in source, of its unseen templates, which no
-other split, demonstration or practice task fills) is in it. `held_out` asks whether the
-model copies a new value into a form it has learned; `held_out_family` whether it writes a
-form it has never been shown.
+named in `held_out_families` (and the built-in source's unseen templates, in no other split,
+demonstration or practice task). `held_out` asks whether the model copies a new value into a
+form it has learned; `held_out_family` whether it writes a form it was never shown.
 """
 
 from __future__ import annotations
@@ -124,8 +123,7 @@ class TaskSource(ABC):
 
     def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
                  held_out_families: Sequence[str] = ()) -> None:
-        self.held_out_fraction = held_out_fraction
-        self.product_fraction = product_fraction
+        self.held_out_fraction, self.product_fraction = held_out_fraction, product_fraction
         self.held_out_families = frozenset(held_out_families)
 
     @abstractmethod

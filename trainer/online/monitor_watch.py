@@ -28,7 +28,6 @@ TRAINER_WINDOW = 10  # steps: one step's KL spikes after a release; a run of the
 
 class MonitorWatch:
     def __init__(self, kafka: KafkaConfig, settings: MonitorSettings) -> None:
-        self.kafka = kafka
         self.monitors = Monitors(settings)
         self._steps: deque[dict[str, float]] = deque(maxlen=TRAINER_WINDOW)
         self._verdicts: dict[int, list[int]] = {}  # version -> [experiences, accepted]

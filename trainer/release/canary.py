@@ -26,7 +26,6 @@ stays within the smallest alpha, and P(roll back | equal) within the sum of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -128,10 +127,6 @@ class CanaryTest:
     def add(self, outcome: CanarySession) -> None:
         self.tests["acceptance"].add(outcome.arm, float(outcome.accepted))
         self.tests["reward"].add(outcome.arm, outcome.reward)
-
-    def extend(self, outcomes: Iterable[CanarySession]) -> None:
-        for outcome in outcomes:
-            self.add(outcome)
 
     def decide(self) -> Decision:
         decisions = [test.update() for test in self.tests.values()]
