@@ -351,6 +351,10 @@ class ReleasePublished(BaseModel):
     snapshot_uri: str | None = None  # set on snapshots: the full weights, for far-behind replicas
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     eval_summary: dict[str, float] = Field(default_factory=dict)
+    # set: a canary, served beside its parent to this share of sessions (by session id)
+    # until an announcement of the same version without it (promoted) or of the parent
+    # (rolled back); None: every session's version (serving/canary.py)
+    canary_share: float | None = Field(default=None, gt=0.0, lt=1.0)
     published_at: datetime = Field(default_factory=utcnow)
 
     @model_validator(mode="after")
@@ -359,6 +363,8 @@ class ReleasePublished(BaseModel):
             raise ValueError(f"a {self.kind} release needs its parent version")
         if self.kind == "snapshot" and self.snapshot_uri is None:
             raise ValueError("a snapshot release needs snapshot_uri")
+        if self.canary_share is not None and (self.kind == "rollback" or self.parent is None):
+            raise ValueError("a canary is a new release served beside its parent")
         return self
 
 

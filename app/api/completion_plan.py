@@ -25,7 +25,13 @@ from app.api.services import Services
 from app.api.token_bytes import max_token_bytes
 from app.api.tool_calls import ToolPlan
 from ingest.events import PRIVATE_GENERATION_PREFIX, SamplingParams
-from serving.engine import GenerationDelta, GenerationRequest, GenerationResult, TopLogprobs
+from serving.engine import (
+    Engine,
+    GenerationDelta,
+    GenerationRequest,
+    GenerationResult,
+    TopLogprobs,
+)
 from serving.tool_parsers import CallEvent, CallParser
 
 GENERATION_HEADER = "X-Flywheel-Generation-Id"
@@ -87,6 +93,7 @@ class Plan:
     session_id: str | None
     user: str | None
     request_id: str  # the request's X-Request-Id (app/api/guard.py)
+    engine: Engine  # the session's version's (serving/canary.py): every choice runs there
     private: bool = False  # privacy mode: served and counted, nothing of it logged
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -159,7 +166,7 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
     logged one (the body's `user` is only where keys are off); `private`: privacy mode (the
     request asked, or its key always does), each generation id `genp-…`."""
     private = private or (caller is not None and caller.private)
-    engine, cfg = services.engine, services.settings.engine
+    engine, cfg = services.versions.engine_for(body.session_id), services.settings.engine
     if body.model not in (None, SERVED_MODEL, engine.version.fingerprint):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                        f"`{SERVED_MODEL}`", param="model", code="model_not_found")
@@ -208,4 +215,5 @@ def plan(services: Services, kind: Kind, body: ChatCompletionRequest | Completio
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 session_id=body.session_id,
                 user=caller.user_id if caller is not None else body.user,
-                request_id=request_id or f"req-{uuid.uuid4().hex}", private=private)
+                request_id=request_id or f"req-{uuid.uuid4().hex}", engine=engine,
+                private=private)

@@ -27,36 +27,38 @@ async def run_choices(services: Services, p: Plan) -> AsyncGenerator[Step, None]
 
     async def pump(choice: Choice) -> None:
         try:
-            async for delta in services.engine.stream(choice.request):
+            async for delta in p.engine.stream(choice.request):
                 await events.put((choice, delta))
         except Exception as exc:  # whatever failed, the request hears of it (never hangs)
             await events.put((choice, exc))
         await events.put((choice, None))
 
-    tasks = [asyncio.create_task(pump(c)) for c in p.choices]
-    try:
-        with services.live.request():  # a scavenging rollout worker yields while any is
-            running = len(tasks)
-            while running:
-                choice, item = await events.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield choice, item, choice.absorb(item)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for choice in p.choices:
-            log_choice(services, p, choice)
+    # a canary engine is closed only once no request is in flight on it (serving/canary.py)
+    with services.versions.serving(p.engine):
+        tasks = [asyncio.create_task(pump(c)) for c in p.choices]
+        try:
+            with services.live.request():  # a scavenging rollout worker yields while any is
+                running = len(tasks)
+                while running:
+                    choice, item = await events.get()
+                    if item is None:
+                        running -= 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        yield choice, item, choice.absorb(item)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for choice in p.choices:
+                log_choice(services, p, choice)
 
 
 def log_choice(services: Services, p: Plan, choice: Choice) -> None:
     """Log `choice` to `sessions` (a private one is only counted) and to the metrics."""
     result = choice.result
     now = time.perf_counter()
-    version = result.version if result is not None else services.engine.version
+    version = result.version if result is not None else p.engine.version
     services.metrics.observe_generation(
         endpoint=p.kind, prompt_tokens=len(choice.prompt), completion_tokens=len(choice.tokens),
         latency_s=now - choice.started,

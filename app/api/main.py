@@ -27,6 +27,7 @@ from app.api.routes import trainer as trainer_route
 from app.api.services import Services
 from app.heap import settle_heap
 from app.settings import Settings
+from serving.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,21 @@ def build_services(settings: Settings) -> Services:
 
 
 def start_release_follower(services: Services) -> None:
-    """Hot-swap every release announced on `releases` (serving/release_subscriber.py)."""
+    """Hot-swap every release announced on `releases`, and serve a canary on a second engine
+    where `release.canary.serve` allows it (serving/release_subscriber.py)."""
+    from serving.backends import build_engine
     from serving.release_subscriber import follow_releases
 
+    settings = services.settings
+
+    def canary_engine() -> Engine:
+        return build_engine(settings.engine, settings.resolved_model_dir,
+                            batch_invariant=settings.batch_invariant)
+
     services.replica = follow_releases(
-        services.engine, services.kafka, services.settings.resolved_artifact_store_url,
-        poll_timeout_ms=services.settings.release.poll_timeout_ms,
-        registry=services.metrics.registry)
+        services.versions, services.kafka, settings.resolved_artifact_store_url,
+        poll_timeout_ms=settings.release.poll_timeout_ms, registry=services.metrics.registry,
+        canary_engine=canary_engine if settings.release.canary.serve else None)
 
 
 def start_scavenger(services: Services) -> None:
@@ -107,6 +116,8 @@ def start_scavenger(services: Services) -> None:
 
 
 def close_services(services: Services) -> None:
+    if services.canary_watch is not None:
+        services.canary_watch.close()
     if services.scavenger is not None:
         services.scavenger.stop()
     if services.beacon is not None:
@@ -136,6 +147,11 @@ def create_app(settings: Settings, *, services: Services | None = None) -> FastA
             start_release_follower(app.state.services)
         if owned and settings.scavenge.enabled:
             start_scavenger(app.state.services)
+        canary = settings.release.canary
+        if owned and canary.enabled and canary.decide:
+            from trainer.release.canary_watch import CanaryWatch
+
+            app.state.services.canary_watch = CanaryWatch(settings.release_config()).start()
         worker = None
         if owned:  # the embedded profile runs its own release worker (app/jobs/celery_app.py)
             from app.jobs.celery_app import start_release_worker

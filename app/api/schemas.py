@@ -107,6 +107,28 @@ class RollbackRequest(BaseModel):
     reason: str = Field(default="manual rollback", max_length=2000)
 
 
+class PromoteRequest(BaseModel):
+    requested_by: str = Field(default="admin", max_length=128)
+    reason: str = Field(default="manual promotion", max_length=2000)
+
+
+class CanaryOut(BaseModel):
+    """A release's canary (trainer/release/canary_stage.py): the test's figures per metric
+    (both arms' means and sessions, the difference and its 95% interval, the LLR) and how
+    it ended."""
+
+    version: int
+    parent: int
+    share: float
+    status: str
+    figures: dict[str, dict[str, float | int | str]]
+    started_at: datetime
+    updated_at: datetime
+    decided_at: datetime | None
+    decided_by: str | None
+    reason: str
+
+
 class ReleaseOut(BaseModel):
     version: int
     parent: int | None

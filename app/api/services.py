@@ -18,6 +18,7 @@ from ingest.config import KafkaConfig
 from ingest.log import EventProducer
 from ingest.session_log import SessionLog
 from ingest.sql import open_database
+from serving.canary import ServedVersions
 from serving.engine import Engine
 from serving.live_load import LiveLoad
 
@@ -48,9 +49,15 @@ class Services:
     beacon: Any | None = None  # app.api.replicas.ReplicaBeacon: which version this replica serves
     live: LiveLoad = field(default_factory=LiveLoad)  # users' requests in flight and their rate
     scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
+    canary_watch: Any | None = None  # trainer.release.canary_watch.CanaryWatch: decides canaries
     admin: SecretStr | None = None  # see admin_token()
     keys: KeyCheck | None = None  # see key_check()
     join_db: DbEngine | None = None  # see join_database()
+    # which engine serves a session: `engine`, or a canary's beside it (serving/canary.py)
+    versions: ServedVersions = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = ServedVersions(self.engine)
 
     def key_check(self) -> KeyCheck:
         """The inference keys' check (app/api/api_keys.py), made on first use."""

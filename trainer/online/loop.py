@@ -1,13 +1,13 @@
 """The online trainer's loop: poll `experiences`, batch, step, checkpoint, commit, release.
 
-`ExperienceSource` is the `EventConsumer` on `experiences`, assigned every partition by hand
-and seeking to the offsets of the latest checkpoint; `take_batch` cuts a prefix of the polled
-records (so resuming after a batch is one offset per partition) and skips what the ledger has,
-what a deleted user generated (`ingest.deletions.Forgotten`, read before each batch) and what
-is staler than `max_staleness` releases allow (`stale_before`);
-`OnlineLoop` applies control commands (pause, resume, release), steps the trainer, checkpoints,
-commits Kafka offsets once the checkpoint is durable, and hands weights to the release
-pipeline every `release_every_steps` trainer steps, or every `release_interval_s`.
+The batches come from trainer/online/intake.py. `OnlineLoop` applies control commands
+(pause, resume, release), steps the trainer, checkpoints, commits Kafka offsets once the
+checkpoint is durable, and hands weights to the release pipeline every `release_every_steps`
+trainer steps, or every `release_interval_s`. A release that goes to a canary
+(trainer/release/canary_stage.py) holds the loop until the canary ends: the next candidate is
+built on a decided version. Promoted, it is the served release (the KL anchor, the staleness
+bound's newest release, from the moment it serves every session); rolled back, the trainer
+returns to the served release, as after a refusal.
 """
 
 from __future__ import annotations
@@ -22,88 +22,23 @@ from typing import Any, Protocol
 
 from ingest.config import KafkaConfig
 from ingest.deletions import Forgotten
-from ingest.events import ExperienceReady
-from ingest.join_store import as_utc
 from ingest.log import Delivered, EventProducer, ensure_topics
-from ingest.topic_reader import Offsets, TopicReader, offset_key
-from trainer.checkpoint import Ledger
 from trainer.distributed import World
 from trainer.online.config import MAX_STALENESS, OnlineTrainerSettings
+from trainer.online.intake import (
+    Batch,
+    ExperienceSource,
+    experience_source,
+    stale_before,
+    take_batch,
+)
 from trainer.online.monitor_watch import MonitorWatch
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.monitors import Breach
-from trainer.release.pipeline import ReleaseSink
+from trainer.release.pipeline import ReleaseOutcome, ReleaseSink
 from trainer.trackers import Trackers, TrackerSettings, build_trackers
 
 log = logging.getLogger(__name__)
-
-
-# ---- the experience source ----------------------------------------------------------------
-ExperienceSource = TopicReader[ExperienceReady]
-
-
-def experience_source(config: KafkaConfig, *, group_id: str, dlq: EventProducer | None
-                      ) -> ExperienceSource:
-    """Every partition of `experiences`, assigned by hand (no group rebalance to wait for
-    after a restart), from `group_id`'s committed offsets until the loop seeks to its
-    checkpoint's; the loop commits explicit offsets once a checkpoint is durable."""
-    return TopicReader(config, config.topics.experiences, ExperienceReady, start="committed",
-                       group_id=group_id, dlq=dlq, max_poll_records=500)
-
-
-@dataclass
-class Batch:
-    experiences: list[ExperienceReady]
-    offsets: Offsets  # where to resume after this batch
-    skipped: int  # already trained (in the ledger, or twice in the batch)
-    forgotten: int = 0  # of users deleted after generating them
-    stale: int = 0  # generated before the staleness bound's cut (`stale_before`)
-
-
-def stale_before(published_at: Sequence[float], max_staleness: int | None) -> float | None:
-    """The cut of the staleness bound: generations made before the trainer's last
-    `max_staleness + 1` releases were published (`published_at`, oldest first) are stale.
-    None (no bound, or fewer releases so far) keeps everything; else unix seconds.
-
-    By time, not by `model_version`: after an admin's rollback the served version is older
-    than the trainer's last release, and its new traffic must count as fresh."""
-    if max_staleness is None or len(published_at) <= max_staleness:
-        return None
-    return published_at[-(max_staleness + 1)]
-
-
-def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
-               max_batch: int, forgotten: Callable[[ExperienceReady], bool] | None = None,
-               stale_cut: float | None = None) -> Batch | None:
-    """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
-    None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
-    Experiences `forgotten` says are a deleted user's are passed over, never trained, and so
-    are those generated before `stale_cut`.
-
-    Taking a prefix keeps each partition's records in offset order, so "resume after this
-    batch" is one offset per partition: the last taken + 1.
-    """
-    fresh: set[str] = set()
-    taken: list[ExperienceReady] = []
-    dropped = stale = cut = 0
-    for cut, record in enumerate(pending, start=1):  # noqa: B007 (cut is used after)
-        exp: ExperienceReady = record.event
-        if forgotten is not None and forgotten(exp):
-            dropped += 1
-        elif stale_cut is not None and as_utc(exp.generated_at).timestamp() < stale_cut:
-            stale += 1
-        elif not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
-            fresh.add(exp.experience_id)
-            taken.append(exp)
-            if len(taken) == max_batch:
-                break
-    if len(taken) < min_batch:
-        return None
-    offsets: Offsets = {}
-    for record in pending[:cut]:
-        offsets[offset_key(record.topic, record.partition)] = record.offset + 1
-    del pending[:cut]
-    return Batch(taken, offsets, cut - len(taken) - dropped - stale, dropped, stale)
 
 
 # ---- the loop -----------------------------------------------------------------------------
@@ -156,6 +91,7 @@ class OnlineLoop:
         self._next_watch = 0.0
         self.skipped = self.dropped = self.stale = 0
         self.releases: list[dict[str, Any]] = []
+        self.canary: dict[str, Any] | None = None  # the release in its canary: the loop waits
         self._next_control = 0.0
         self._checkpointed_step = trainer.state.step
         source.seek(trainer.state.offsets)
@@ -165,7 +101,9 @@ class OnlineLoop:
         while not stop.is_set() and not self._done():
             self._handle_control()
             self._watch_monitors()
-            if self.paused:
+            if self.canary is not None:
+                self._follow_canary()
+            if self.paused or self.canary is not None:
                 stop.wait(self.cfg.control_every_s)
                 continue
             self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
@@ -265,24 +203,50 @@ class OnlineLoop:
             self.releases.append(result)
             self._publish_status()
             return result
-        result = {"released": outcome.published, "version": outcome.version,
-                  "sha256": outcome.sha256, "reason": outcome.reason,
-                  "step_range": provenance["step_range"]}
-        if outcome.published:
-            self.trainer.adopt_reference()  # the KL anchor follows the served release
+        result = {"released": outcome.published and not outcome.canary,
+                  "version": outcome.version, "sha256": outcome.sha256,
+                  "reason": outcome.reason, "step_range": provenance["step_range"]}
+        self.releases.append(result)
+        if outcome.canary:  # the loop waits for the decision (`_follow_canary`)
+            result["canary"] = "running"
+            self.canary = {"result": result, "outcome": outcome, "next": 0.0}
+        else:
+            self._settle(result, outcome)
+        self._publish_status()
+        return result
+
+    def _settle(self, result: dict[str, Any], outcome: ReleaseOutcome) -> None:
+        """The trainer after a release's fate: served (the KL anchor and the staleness bound
+        follow it), or not (train on from what is served, not from the refused weights)."""
+        state = self.trainer.state
+        if result["released"]:
+            self.trainer.adopt_reference()
             if self.watch is not None:
                 self.watch.note_release(outcome.version, outcome.parent, outcome.eval_summary)
-            state.release_from_step = state.step
             state.last_release = {**result, "at": time.time()}
             kept = MAX_STALENESS + 1
             state.published_at = [*state.published_at, state.last_release["at"]][-kept:]
-        else:  # refused by the gate: train on from what is served, not from the refused weights
+        else:
             self.trainer.revert_to_reference()
-            state.release_from_step = state.step  # the refused steps are in no weights now
-        self.releases.append(result)
+        state.release_from_step = state.step  # refused steps are in no weights now
         self._checkpoint()
+
+    def _follow_canary(self) -> None:
+        """Every `control_every_s`: once the canary has ended, settle as its decision says."""
+        assert self.canary is not None and self.release_sink is not None
+        if time.monotonic() < self.canary["next"]:
+            return
+        self.canary["next"] = time.monotonic() + self.cfg.control_every_s
+        result, outcome = self.canary["result"], self.canary["outcome"]
+        status = self.release_sink.status(outcome.version)
+        if status == "canary":
+            return
+        promoted = status == "published"
+        result.update(released=promoted, canary="promoted" if promoted else "rolled_back")
+        log.info("canary v%d %s", outcome.version, result["canary"])
+        self.canary = None
+        self._settle(result, outcome)
         self._publish_status()
-        return result
 
     def _handle_control(self) -> None:
         if self.control is None or time.monotonic() < self._next_control:

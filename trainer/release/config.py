@@ -85,6 +85,13 @@ class CanarySettings(BaseModel):
     """The canary of trainer/release/canary.py: a share of sessions, two error rates, the
     metrics and their margins, when to decide at the earliest and at the latest."""
 
+    enabled: bool = Field(default=False, description="a release that passes the gate serves "
+                                                     "`share` of sessions until the test "
+                                                     "decides")
+    serve: bool = Field(default=True, description="this replica serves a canary on a second "
+                                                  "engine (a second copy of the weights)")
+    decide: bool = Field(default=True, description="this API process runs the canary's test "
+                                                   "and publishes its decision")
     share: float = Field(default=0.2, gt=0.0, lt=1.0,
                          description="the share of sessions the candidate serves")
     alpha: float = Field(default=0.05, gt=0.0, lt=0.5,
@@ -143,6 +150,7 @@ class ReleaseSettings(BaseModel):
     eval: EvalSettings = HeldOutTasksEval()
     poll_timeout_ms: int = Field(default=200, ge=10, description="replica subscriber poll")
     follow: bool = Field(default=True, description="serving replicas hot-swap releases")
+    canary: CanarySettings = CanarySettings()
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ from trainer.release.weights import (
 
 log = logging.getLogger(__name__)
 
-ReleaseStatus = Literal["candidate", "published", "rejected", "rolled_back"]
+# "canary": passed the gate and announced to a share of sessions beside the head, until
+# trainer/release/canary_stage.py promotes it ("published") or rolls it back
+ReleaseStatus = Literal["candidate", "canary", "published", "rejected", "rolled_back"]
 
 
 class ReleaseConflictError(ReleaseError):
@@ -116,6 +118,10 @@ def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
     `version` is a row `reserve_version` made (None: reserve one now)."""
     config, provenance = ctx.config, provenance or {}
     served = ensure_base(ctx)
+    running = canary_running(ctx.db)
+    if running is not None:
+        raise ReleaseConflictError(f"v{running.version} is in its canary: promote it or roll "
+                                   "it back before the next release")
     path = candidate or config.candidate_path
     if version is None:
         version = reserve_version(ctx.db, requested_by=requested_by, reason=reason,
@@ -131,6 +137,7 @@ def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
                           sha256=sha, eval_summary=decision.summary(), parent=served.version)
         chain = served.chain_length + 1
         snapshot = chain >= config.release.snapshot_every
+        canary = config.release.canary
         stored = store_release(config, served_weights, weights,
                                base=VersionRef(version=served.version, sha256=served.sha256),
                                target=VersionRef(version=version, sha256=sha), snapshot=snapshot)
@@ -140,12 +147,14 @@ def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
             "chain_length": 0 if snapshot else chain, "eval_summary": decision.summary(),
             "step_range": provenance.get("step_range"),
             "generation_ids": provenance.get("generation_ids", []),
-            "feedback_event_ids": provenance.get("feedback_event_ids", [])})
-        save_weights(weights, config.head_cache)
+            "feedback_event_ids": provenance.get("feedback_event_ids", [])},
+            canary_share=canary.share if canary.enabled else None)
+        if not canary.enabled:  # a canary's parent stays the head until it is promoted
+            save_weights(weights, config.head_cache)
     except Exception as exc:
         record(ctx.db, version, status="rejected", reason=f"build failed: {exc}")
         raise
-    log.info("published v%d (parent v%d, %s)", version, served.version, decision.reason)
+    log.info("%s v%d (parent v%d, %s)", row.status, version, served.version, decision.reason)
     return row
 
 
@@ -169,14 +178,17 @@ def ensure_base(ctx: ReleaseContext) -> Release:
     return base
 
 
-def publish(ctx: ReleaseContext, version: int, fields: dict[str, Any]) -> Release:
-    """Fill the row of `version`, announce it, then mark it published (once Kafka has it)."""
+def publish(ctx: ReleaseContext, version: int, fields: dict[str, Any], *,
+            canary_share: float | None = None) -> Release:
+    """Fill the row of `version`, announce it, then mark it published (once Kafka has it);
+    with `canary_share`, announce it to that share of sessions and mark it "canary"."""
     with Session(ctx.db) as session:
         row = session.get(Release, version)
         assert row is not None  # reserved before the build
         row.sqlmodel_update(fields)
-        announce(ctx, announcement(row))
-        row.status, row.published_at = "published", utcnow()
+        announce(ctx, announcement(row, canary_share=canary_share))
+        row.status = "published" if canary_share is None else "canary"
+        row.published_at = utcnow()
         session.add(row)
         session.commit()
         session.refresh(row)
@@ -211,12 +223,13 @@ def rollback_release(ctx: ReleaseContext, version: int, *, requested_by: str = "
 
 
 # ---- the announcement --------------------------------------------------------------------
-def announcement(row: Release) -> ReleasePublished:
+def announcement(row: Release, *, canary_share: float | None = None) -> ReleasePublished:
     return ReleasePublished(
         version=row.version, parent=row.parent, kind=row.kind,  # type: ignore[arg-type]
         manifest_uri=row.manifest_uri or row.snapshot_uri or "", snapshot_uri=row.snapshot_uri,
         sha256=row.sha256, eval_summary={k: float(v) for k, v in row.eval_summary.items()
-                                         if isinstance(v, int | float)})
+                                         if isinstance(v, int | float)},
+        canary_share=canary_share)
 
 
 def announce(ctx: ReleaseContext, event: ReleasePublished) -> None:
@@ -231,6 +244,12 @@ def head(session: Session) -> Release | None:
     """The served version: the newest published release."""
     return session.exec(select(Release).where(Release.status == "published")
                         .order_by(col(Release.version).desc())).first()
+
+
+def canary_running(db: DbEngine) -> Release | None:
+    """The release in its canary, if one is."""
+    with Session(db) as session:
+        return session.exec(select(Release).where(Release.status == "canary")).first()
 
 
 def reserve_version(db: DbEngine, *, requested_by: str, reason: str,
@@ -270,6 +289,7 @@ class ReleaseOutcome:
     reason: str = ""
     parent: int | None = None  # the version it was measured against and deltas from
     eval_summary: dict[str, float] = field(default_factory=dict)  # the gate's figures
+    canary: bool = False  # published to a canary share: `status` says what became of it
 
 
 class ReleaseSink(Protocol):
@@ -278,6 +298,10 @@ class ReleaseSink(Protocol):
     def release(self, candidate: Path, provenance: dict[str, Any], *,
                 requested_by: str, reason: str) -> ReleaseOutcome: ...
 
+    def status(self, version: int) -> str:
+        """What became of `version` since (a `ReleaseStatus`): a canary's decision."""
+        ...
+
 
 class PipelineReleaseSink:
     """The `ReleaseSink` of `flywheel train-online`: `build_release` in this process, with the
@@ -285,12 +309,25 @@ class PipelineReleaseSink:
 
     def __init__(self, config: ReleaseConfig) -> None:
         self.config = config
+        self._db: DbEngine | None = None  # the history, for `status` (opened on first use)
 
     def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
                 reason: str) -> ReleaseOutcome:
         with open_release_context(self.config) as ctx:
             row = build_release(ctx, candidate=candidate, requested_by=requested_by,
                                 reason=reason, provenance=provenance)
-        return ReleaseOutcome(version=row.version, published=row.status == "published",
+        return ReleaseOutcome(version=row.version,
+                              published=row.status in ("published", "canary"),
                               sha256=row.sha256, reason=row.reason, parent=row.parent,
-                              eval_summary=dict(row.eval_summary))
+                              eval_summary=dict(row.eval_summary),
+                              canary=row.status == "canary")
+
+    def status(self, version: int) -> str:
+        if self._db is None:
+            self._db = open_database(self.config.database_url,
+                                     [Release.__table__])  # type: ignore[attr-defined]
+        with Session(self._db) as session:
+            row = session.get(Release, version)
+            if row is None:
+                raise ReleaseError(f"no release v{version}")
+            return row.status

@@ -105,7 +105,7 @@ def chat_response(services: Services, p: Plan) -> ChatCompletionResponse:
     tok = services.tokenizer
     return ChatCompletionResponse(
         id=p.id, created=p.created, model=p.model,
-        system_fingerprint=p.fingerprint(services.engine.version.fingerprint),
+        system_fingerprint=p.fingerprint(p.engine.version.fingerprint),
         choices=[ChatChoice(
             index=c.index, message=_message(c),
             logprobs=_chat_logprobs(tok, c.tokens, c.logprobs, c.tops)
@@ -118,7 +118,7 @@ def completion_response(services: Services, p: Plan) -> CompletionResponse:
     tok = services.tokenizer
     return CompletionResponse(
         id=p.id, created=p.created, model=p.model,
-        system_fingerprint=p.fingerprint(services.engine.version.fingerprint),
+        system_fingerprint=p.fingerprint(p.engine.version.fingerprint),
         choices=[CompletionChoice(
             index=c.index, text=c.text,
             logprobs=_completion_logprobs(tok, c.tokens, c.logprobs, c.tops)
@@ -137,7 +137,7 @@ def _chunk(services: Services, p: Plan, choices: list[dict[str, Any]],
     body: dict[str, Any] = {
         "id": p.id, "object": "chat.completion.chunk" if p.kind == "chat"
         else "text_completion", "created": p.created, "model": p.model,
-        "system_fingerprint": services.engine.version.fingerprint, "choices": choices}
+        "system_fingerprint": p.engine.version.fingerprint, "choices": choices}
     if usage is not None:
         body["usage"] = usage.model_dump()
     return _sse(body)

@@ -3,7 +3,10 @@
     POST /admin/releases                      202 {version, task_id}: a Celery build_release
     GET  /admin/releases                      newest first
     GET  /admin/releases/{version}
-    POST /admin/releases/{version}/rollback   re-announce the parent; replicas swap back
+    POST /admin/releases/{version}/rollback   re-announce the parent; replicas swap back (a
+                                              release in its canary: the canary ends)
+    POST /admin/releases/{version}/promote    a release in its canary, to every session
+    GET  /admin/releases/canaries             the newest canaries, their figures, decisions
 
 A version is a 64-bit integer (the database's); a requested candidate must be a checkpoint
 that exists under the data dir or the local artifact store (or be the configured
@@ -17,14 +20,27 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 from fastapi import Path as PathParam
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from app.api.deps import AdminDep, DbDep, ServicesDep
 from app.api.errors import ApiError, error_responses
-from app.api.schemas import ReleaseOut, ReleaseQueued, ReleaseRequest, RollbackRequest
+from app.api.schemas import (
+    CanaryOut,
+    PromoteRequest,
+    ReleaseOut,
+    ReleaseQueued,
+    ReleaseRequest,
+    RollbackRequest,
+)
 from app.jobs.celery_app import RELEASE_TASK
 from app.settings import Settings
 from kernels.delta.store import LocalStoreConfig, artifact_store_config
+from trainer.release.canary_stage import (
+    CanaryRun,
+    promote_canary,
+    recent_canaries,
+    rollback_canary,
+)
 from trainer.release.pipeline import (
     Release,
     ReleaseConflictError,
@@ -88,6 +104,12 @@ def list_releases(db: DbDep, _: AdminDep,
     return list(db.exec(query).all())
 
 
+@router.get("/canaries", response_model=list[CanaryOut], responses=error_responses(401, 422))
+def list_canaries(services: ServicesDep, _: AdminDep,
+                  limit: Annotated[int, Query(ge=1, le=100)] = 10) -> list[CanaryRun]:
+    return recent_canaries(services.db, limit)
+
+
 @router.get("/{version}", response_model=ReleaseOut, responses=error_responses(401, 404, 422))
 def get_release(version: Version, db: DbDep, _: AdminDep) -> Release:
     release = db.get(Release, version)
@@ -100,12 +122,40 @@ def get_release(version: Version, db: DbDep, _: AdminDep) -> Release:
              responses=error_responses(401, 404, 409, 422))
 def rollback(version: Version, services: ServicesDep, _: AdminDep,
              body: RollbackRequest | None = None) -> Release:
-    """Roll the served head back to its parent; returns the parent (the new head)."""
+    """Roll the served head back to its parent, or end a release's canary (its parent stays
+    served); returns the parent (the head)."""
     body = body or RollbackRequest()
     ctx = ReleaseContext(services.settings.release_config(), services.db, services.producer)
+    with Session(services.db) as session:  # closed before the rollback writes (SQLite's lock)
+        row = session.get(Release, version)
+        in_canary = row is not None and row.status == "canary"
     try:
+        if in_canary:
+            ended = rollback_canary(ctx, version, decided_by=body.requested_by,
+                                    reason=body.reason)
+            with Session(services.db) as session:
+                parent = session.get(Release, ended.parent) if ended.parent is not None else None
+            if parent is None:
+                raise ReleaseError(f"v{version} has no parent")
+            return parent
         return rollback_release(ctx, version, requested_by=body.requested_by,
                                 reason=body.reason)
+    except ReleaseConflictError as exc:
+        raise ApiError(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except ReleaseError as exc:
+        raise ApiError(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+
+
+@router.post("/{version}/promote", response_model=ReleaseOut,
+             responses=error_responses(401, 404, 409, 422))
+def promote(version: Version, services: ServicesDep, _: AdminDep,
+            body: PromoteRequest | None = None) -> Release:
+    """Serve a release in its canary to every session (a held canary's admin decision);
+    returns it (the new head)."""
+    body = body or PromoteRequest()
+    ctx = ReleaseContext(services.settings.release_config(), services.db, services.producer)
+    try:
+        return promote_canary(ctx, version, decided_by=body.requested_by, reason=body.reason)
     except ReleaseConflictError as exc:
         raise ApiError(status.HTTP_409_CONFLICT, str(exc)) from exc
     except ReleaseError as exc:

@@ -31,7 +31,8 @@ from ingest.log import ensure_topics
 from tests.app.api.helpers import admin_client, wait_for_sessions
 from tests.conftest import stack_settings
 from tests.ingest.helpers import run_until
-from trainer.online.loop import OnlineLoop, experience_source
+from trainer.online.intake import experience_source
+from trainer.online.loop import OnlineLoop
 from trainer.online.trainer import OnlineTrainer
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,8 @@ from trainer.online.control import (
     open_control_db,
     read_status,
 )
-from trainer.online.loop import OnlineLoop, experience_source, stale_before, take_batch
+from trainer.online.intake import experience_source, stale_before, take_batch
+from trainer.online.loop import OnlineLoop
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.pipeline import ReleaseOutcome
 
@@ -34,6 +35,33 @@ class RecordingSink:
                 reason: str) -> ReleaseOutcome:
         self.calls.append((candidate, provenance))
         return ReleaseOutcome(version=len(self.calls), published=True, sha256="s" * 64)
+
+    def status(self, version: int) -> str:
+        return "published"
+
+
+class CanarySink(RecordingSink):
+    """Every release goes to a canary, which ends after `waits` looks: the first rolled back,
+    the others promoted. Records the trainer's step at each look."""
+
+    def __init__(self, trainer: OnlineTrainer, waits: int = 3) -> None:
+        super().__init__()
+        self.trainer, self.waits = trainer, waits
+        self.looks: dict[int, list[int]] = {}
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> ReleaseOutcome:
+        outcome = super().release(candidate, provenance, requested_by=requested_by,
+                                  reason=reason)
+        return ReleaseOutcome(version=outcome.version, published=True, sha256="s" * 64,
+                              canary=True)
+
+    def status(self, version: int) -> str:
+        looks = self.looks.setdefault(version, [])
+        looks.append(self.trainer.state.step)
+        if len(looks) < self.waits:
+            return "canary"
+        return "rolled_back" if version == 1 else "published"
 
 
 def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) -> None:
@@ -93,6 +121,17 @@ def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) ->
     torch.use_deterministic_algorithms(False)
 
 
+def produced_experiences(settings: Settings, model_dir: Path, n: int) -> tuple[Any, Path]:
+    """`n` experiences on the settings' topic: (the Kafka config, the trainer's root)."""
+    kafka = settings.kafka_config(settings.kafka_bootstrap or "")
+    producer = EventProducer(kafka)
+    for exp in make_experiences(model_dir, n):
+        producer.send(kafka.topics.experiences, exp.experience_id, exp)
+    producer.flush()
+    producer.close()
+    return kafka, settings.data_dir / "trainer"
+
+
 class RefuseFirstSink(RecordingSink):
     """The first candidate is refused (by the gate, say), or its build fails (`fail`); the
     others are published."""
@@ -123,13 +162,7 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
         "deterministic": True})
-    kafka = settings.kafka_config(settings.kafka_bootstrap or "")
-    producer = EventProducer(kafka)
-    for exp in make_experiences(model_dir, 8):
-        producer.send(kafka.topics.experiences, exp.experience_id, exp)
-    producer.flush()
-    producer.close()
-    root = settings.data_dir / "trainer"
+    kafka, root = produced_experiences(settings, model_dir, 8)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="cadence-test", dlq=None)
     sink = RefuseFirstSink(fail=fail)
@@ -186,3 +219,29 @@ def test_the_staleness_cut_is_the_publication_of_the_oldest_release_allowed() ->
     assert stale_before([10.0, 20.0], 0) == 20.0
     assert stale_before([10.0, 20.0], 1) == 10.0
     assert stale_before([10.0], 1) is None  # one release so far: version 0's traffic is fresh
+
+
+def test_a_canary_holds_the_loop_until_it_ends(settings: Settings, model_dir: Path) -> None:
+    """A release in its canary: no step is trained until the canary ends; rolled back, the
+    trainer returns to the served weights (as after a refusal); promoted, it counts as a
+    release (the loop stops after one) and its weights are the KL anchor."""
+    online = settings.online.model_copy(update={
+        "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 1,
+        "deterministic": True, "control_every_s": 0.01})
+    kafka, root = produced_experiences(settings, model_dir, 8)
+    trainer = OnlineTrainer.restore(online, model_dir, root)
+    source = experience_source(kafka, group_id="canary-test", dlq=None)
+    sink = CanarySink(trainer)
+    reference = trainer.state.reference_sha256
+    try:
+        report = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
+                            release_sink=sink).run()
+    finally:
+        source.close()
+    assert sink.looks == {1: [2, 2, 2], 2: [4, 4, 4]}  # no step while a canary ran
+    assert [(r["version"], r["canary"], r["released"]) for r in report.releases] == [
+        (1, "rolled_back", False), (2, "promoted", True)]
+    assert trainer.state.warmup_from == 2  # back to the served weights after v1
+    assert trainer.state.reference_sha256 != reference  # v2's weights: the anchor
+    assert trainer.state.step == 4
+    torch.use_deterministic_algorithms(False)

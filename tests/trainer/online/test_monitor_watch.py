@@ -20,7 +20,8 @@ from trainer.online.control import (
     read_status,
     recent_breaches,
 )
-from trainer.online.loop import OnlineLoop, experience_source
+from trainer.online.intake import experience_source
+from trainer.online.loop import OnlineLoop
 from trainer.online.monitor_watch import MonitorWatch
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.config import MonitorSettings

@@ -13,7 +13,7 @@ from ingest.log import Delivered
 from tests.trainer.helpers import make_experiences
 from trainer.checkpoint import Ledger, LedgerEntry
 from trainer.online.config import BatchMeanBaseline, OnlineTrainerSettings
-from trainer.online.loop import take_batch
+from trainer.online.intake import take_batch
 from trainer.online.trainer import OnlineTrainer, warmup_factor
 
 
