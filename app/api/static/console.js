@@ -104,6 +104,41 @@ function baseRow(status, replica, replicas) {
     servedBy(status.model_version, replica, replicas), el("td"));
 }
 
+// ---- canaries (trainer/release/canary_stage.py) ----------------------------------------------
+// One metric's sequential test: both arms (mean, sessions), the difference with its 95%
+// interval, the log-likelihood ratio and the metric's decision.
+function armsCell(f) {
+  if (!f) return el("td", {}, "–");
+  return el("td", { class: "num arms" },
+    `${fmt(f.candidate_mean)} (n=${f.candidate_sessions}) vs ` +
+    `${fmt(f.incumbent_mean)} (n=${f.incumbent_sessions})`, el("br"),
+    el("small", {}, `diff ${fmt(f.difference)} [${fmt(f.low)}, ${fmt(f.high)}], ` +
+      `LLR ${fmt(f.llr, 2)}: ${f.decision}`));
+}
+
+function canaryRow(c) {
+  const open = c.status === "running" || c.status === "held";
+  const row = el("tr", { "data-version": c.version, "data-status": c.status },
+    el("td", {}, `v${c.version}`), el("td", {}, `v${c.parent}`),
+    el("td", { class: "num" }, `${(100 * c.share).toFixed(0)}%`),
+    el("td", { class: c.status }, c.status.replace("_", " ")),
+    armsCell(c.figures.acceptance), armsCell(c.figures.reward),
+    el("td", { class: "decision" }, open ? c.reason || "deciding"
+      : `${c.decided_by}: ${c.reason}`));
+  const actions = el("td");
+  if (open) {
+    for (const [cls, label, path, verb] of [["promote", "Promote", "promote", "promoted"],
+      ["end-canary", "Roll back", "rollback", "rolled back"]]) {
+      const button = el("button", { class: cls, "data-version": c.version }, label);
+      button.addEventListener("click", () => act(`/admin/releases/${c.version}/${path}`,
+        { reason: `console ${verb}` }, $("canary-outcome"), () => `v${c.version} ${verb}`));
+      actions.append(button);
+    }
+  }
+  row.append(actions);
+  return row;
+}
+
 // ---- acceptance chart ----------------------------------------------------------------------
 function drawChart(series) {
   const chart = $("acceptance-chart");
@@ -174,8 +209,9 @@ async function act(path, body, outcome, describe) {
 }
 
 async function refresh() {
-  const [status, releases, trainer, figures] = await Promise.all([api("/admin/status"),
-    api("/admin/releases?limit=50"), api("/admin/trainer"), api("/admin/console")]);
+  const [status, releases, trainer, figures, canaries] = await Promise.all([
+    api("/admin/status"), api("/admin/releases?limit=50"), api("/admin/trainer"),
+    api("/admin/console"), api("/admin/releases/canaries")]);
   const served = status.model_version;
   $("served").textContent = `serving v${served} (${status.model_sha256.slice(0, 12)})`;
   $("served").dataset.version = served;
@@ -186,6 +222,7 @@ async function refresh() {
     rows.push(baseRow(status, figures.replica, figures.replicas));
   }
   fill(document.querySelector("#releases tbody"), rows);
+  fill(document.querySelector("#canaries tbody"), canaries.map(canaryRow));
   drawChart(figures.acceptance);
   fill(document.querySelector("#acceptance tbody"), figures.acceptance.map((s) =>
     el("tr", { "data-version": s.version }, el("td", {}, `v${s.version}`),
@@ -221,7 +258,7 @@ async function poll() {
 function signOut(message = "") {
   clearTimeout(timer);
   sessionStorage.removeItem(TOKEN_KEY);
-  for (const id of ["releases", "acceptance", "join-lag", "rejections"]) {
+  for (const id of ["releases", "canaries", "acceptance", "join-lag", "rejections"]) {
     document.querySelector(`#${id} tbody`).replaceChildren();
   }
   for (const id of ["trainer", "acceptance-chart", "spool", "served"]) $(id).replaceChildren();

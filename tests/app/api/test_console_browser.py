@@ -5,6 +5,8 @@ One scenario, screenshots under the test's temp dir: a wrong token shows an erro
 data; the right one shows release 0; "Release now" builds a release through the page, which
 appears with its gate decision and figures, and the served version moves to it; "Roll back"
 takes it back to v0. Experiences joined for two versions put one chart series per version.
+A second scenario with the canary on: a release's canary, both arms on the page, "Promote",
+then the next canary ended by "Roll back".
 Skips without Chromium, fails instead when CI=true (`make test` installs it).
 """
 
@@ -14,6 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,19 +62,24 @@ def browser() -> Iterator[object]:
         driver.quit()
 
 
-def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                       model_dir: Path) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
+def scenario(tmp_path: Path, model_dir: Path) -> tuple[Path, Path, dict[str, str], Path]:
+    """The data dir, the candidate checkpoint's path, `flywheel up`'s environment (a quick
+    gate) and the screenshots' folder."""
     data = tmp_path / "data"
     candidate = data / "checkpoints" / "candidate.safetensors"
     candidate.parent.mkdir(parents=True)
-    make_checkpoint(model_dir, candidate, scale=1e-3, seed=5)
     env = {"FLYWHEEL_RELEASE__CANDIDATE_PATH": str(candidate), "FLYWHEEL_RELEASE__EVAL":
            json.dumps({"kind": "heldout_loss", "sequences": 2, "seq_len": 64})}
     shots = tmp_path / "screenshots"
     shots.mkdir()
+    return data, candidate, env, shots
+
+
+def page(browser):  # type: ignore[no-untyped-def]
+    """`find(css)` now, `present(css)` once it is there (90 s), and the wait itself."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
     wait = WebDriverWait(browser, 90, poll_frequency=0.2)
 
     def find(css: str):  # type: ignore[no-untyped-def]
@@ -79,6 +87,17 @@ def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path, 
 
     def present(css: str):  # type: ignore[no-untyped-def]
         return wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, css), css)[0]
+
+    return find, present, wait
+
+
+def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                       model_dir: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    data, candidate, env, shots = scenario(tmp_path, model_dir)
+    make_checkpoint(model_dir, candidate, scale=1e-3, seed=5)
+    find, present, wait = page(browser)
 
     def log_in(token: str) -> None:
         find("#token").send_keys(token)
@@ -152,4 +171,63 @@ def test_console_login_release_rollback_and_acceptance(browser, tmp_path: Path, 
         assert "dev-42" in find('#trainer dd[data-field="monitors"]').text
         assert find('#trainer dd[data-field="paused"]').text == "yes"
         browser.save_screenshot(str(shots / "5-monitors.png"))
+    assert all((shots / name).stat().st_size > 0 for name in os.listdir(shots))
+
+
+def test_console_canary_promote_and_rollback(browser, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                             model_dir: Path) -> None:
+    """With the canary on, "Release now" puts v1 in its canary: the page shows both arms of
+    the sessions judged so far, with the difference's interval; "Promote" serves it to every
+    session. The next release's canary is ended by "Roll back": v1 stays served. (The test's
+    `min_sessions` is out of reach: here the admin decides.)"""
+    data, candidate, env, shots = scenario(tmp_path, model_dir)
+    env.update({"FLYWHEEL_RELEASE__CANARY__ENABLED": "true",
+                "FLYWHEEL_RELEASE__CANARY__MIN_SESSIONS": "1000"})
+    first = make_checkpoint(model_dir, candidate, scale=1e-3, seed=5)
+    find, present, wait = page(browser)
+
+    with flywheel_up(data, model_dir, **env) as (url, kafka):
+        browser.get(f"{url}/console")
+        find("#token").send_keys(Settings(data_dir=data).admin_secret().get_secret_value())
+        find("#login-button").click()
+        present('#releases tr[data-version="0"]')
+
+        find("#release-now").click()
+        present('#releases tr[data-version="1"][data-status="canary"]')
+        present('#canaries tr[data-version="1"][data-status="running"]')
+        # sessions judged since the canary began: three on each arm
+        topics = Settings().topics
+        producer = EventProducer(Settings(topics=topics).kafka_config(kafka))
+        now = datetime.now(UTC) + timedelta(seconds=1)
+        for i, exp in enumerate(make_experiences(model_dir, 6, seed=9, max_tokens=3)):
+            version, accepted = i % 2, i % 2 == 1  # the candidate's sessions accepted
+            exp = exp.model_copy(update={
+                "session_id": f"s-{i}", "turn": 0, "turns": 1, "model_version": version,
+                "feedback_kind": "accept" if accepted else "reject",
+                "reward": 1.0 if accepted else -1.0, "generated_at": now})
+            producer.send(topics.experiences, exp.experience_id, exp)
+        producer.flush(timeout_s=30)
+        producer.close()
+        wait.until(lambda d: "1.000 (n=3) vs 0.000 (n=3)" in find(
+            '#canaries tr[data-version="1"] td.arms').text)
+        assert "diff 1.000 [" in find('#canaries tr[data-version="1"] td.arms').text
+        assert find("#served").get_attribute("data-version") == "0"  # the incumbent serves
+        browser.save_screenshot(str(shots / "1-canary.png"))
+
+        present('button.promote[data-version="1"]').click()
+        present('#canaries tr[data-version="1"][data-status="promoted"]')
+        present('#releases tr[data-version="1"][data-status="published"]')
+        wait.until(lambda d: find("#served").get_attribute("data-version") == "1")
+        assert "admin" in find('#canaries tr[data-version="1"] td.decision').text
+        browser.save_screenshot(str(shots / "2-promoted.png"))
+
+        make_checkpoint(model_dir, candidate, scale=1e-3, seed=6, base=first)
+        find("#release-now").click()
+        present('#canaries tr[data-version="2"][data-status="running"]')
+        present('button.end-canary[data-version="2"]').click()
+        present('#canaries tr[data-version="2"][data-status="rolled_back"]')
+        present('#releases tr[data-version="2"][data-status="rolled_back"]')
+        assert "v2 rolled back" in find("#canary-outcome").text
+        assert find("#served").get_attribute("data-version") == "1"
+        browser.save_screenshot(str(shots / "3-rolled-back.png"))
     assert all((shots / name).stat().st_size > 0 for name in os.listdir(shots))
