@@ -142,7 +142,7 @@ def test_users_roll_back_a_worse_canary_and_promote_an_equal_one(
                                          seed=2, reason="equal", base=weights)
             second = wait_for(lambda: ended(http, equal), "the second canary's decision", 180)
             assert second["status"] == "promoted", second
-            swapped_to(http, equal)
+            promoted = swapped_to(http, equal)
             wait_for(lambda: replica_status(http)["canary"] is None, "the canary closed")
             assert http.get(f"/admin/releases/{equal}").json()["status"] == "published"
             agents.stop.set()
@@ -155,3 +155,10 @@ def test_users_roll_back_a_worse_canary_and_promote_an_equal_one(
     assert served, "no session was served by a canary"
     mixed = [v for v in agents.sessions if len(v) > 1]  # only a decision mid-session mixes
     assert all(v in ({0, worse}, {0, equal}) for v in mixed), mixed
+    builds = [round(r["prepare_s"], 3) for r in promoted["canary_swaps"]]
+    print(f"\nsessions {len(agents.sessions)}; rolled back after "
+          f"{acceptance['candidate_sessions']} + {acceptance['incumbent_sessions']} sessions, "
+          f"promoted after {second['figures']['acceptance']['candidate_sessions']} + "
+          f"{second['figures']['acceptance']['incumbent_sessions']}; canary engines prepared "
+          f"in {builds} s; promotion's pause {promoted['last_swap']['paused_s'] * 1000:.1f} ms "
+          f"(commit {promoted['last_swap']['copy_s'] * 1000:.1f} ms)")
