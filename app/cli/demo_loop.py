@@ -5,7 +5,8 @@
    (the demo says so).
 2. Serve it as version 0: the stack (broker, API with the torch engine and its release
    follower), the join (sessions x feedback -> experiences), the online trainer with the
-   release pipeline as its sink (eval gate: held-out pass@1).
+   release pipeline as its sink (eval gate: held-out pass@1, then a canary: half the sessions
+   on the candidate until the users' verdicts promote it or roll it back).
 3. Simulated developers (simulate/developers.py) work on the product split of the tasks
    through the public HTTP API, one chat completion per agent turn, and send a signed verdict
    per session. The trainer learns from the joined verdicts and hands its weights to the
@@ -15,7 +16,7 @@
    a table, a PNG (live acceptance per version, held-out pass@1 per release) and one JSON line
    {"acceptance_by_version": {...}, "acceptance_gain_points": ..., "held_out_by_version":
    {...}, "held_out_gain_points": ..., "releases": ..., "failed_requests": ...,
-   "cheating_flagged": ..., "monitor_breaches": ..., "wall_s": ...}.
+   "cheating_flagged": ..., "monitor_breaches": ..., "canary_decisions": [...], "wall_s": ...}.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from app.cli.demo_report import release_line, report
 from app.cli.stack import running_stack
 from app.settings import Settings
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
@@ -63,6 +65,10 @@ class DemoPlan:
     max_loop_s: float = 1800.0  # a safety stop for the live loop, far beyond a normal run
     concurrency: int = 10  # simulated developers at once
     temperature: float = 0.7  # the developers' agent samples at an editor's temperature
+    # each release that passes the gate serves this share of sessions until the canary's
+    # test decides (0: no canary): at one half a candidate 5 points better is promoted after
+    # a median 254 sessions of both arms (a simulation of `CanaryTest` at the defaults)
+    canary_share: float = 0.5
 
 
 def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
@@ -91,13 +97,17 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
         "max_batch": plan.online_batch, "checkpoint_every_steps": 10})
     engine = settings.engine.model_copy(update={
         "threads": 1, "prefix_cache_tokens": DEFAULT_PREFIX_CACHE_TOKENS})
+    canary = settings.release.canary.model_copy(update={
+        "enabled": plan.canary_share > 0, "share": plan.canary_share or 0.5})
+    release = settings.release.model_copy(update={"canary": canary})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
         "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
         "max_steps": plan.grpo_steps,
         # validation scored before and after GRPO: the better becomes version 0
         "time_budget_s": None, "eval_every": plan.grpo_steps})
-    update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap}
+    update: dict[str, Any] = {"online": online, "engine": engine, "bootstrap": bootstrap,
+                              "release": release}
     if not settings.feedback_secrets:
         update["feedback_secrets"] = [SecretStr(secrets.token_hex(16))]
     return settings.model_copy(update=update)
@@ -201,8 +211,8 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
         finally:
             stop.set()
             join.join(timeout=60)
-        releases, breaches = watch.releases(), watch.breaches()
-    return report(settings, developers.population, releases, len(breaches),
+        releases, breaches, canaries = watch.releases(), watch.breaches(), watch.canaries()
+    return report(settings, developers.population, releases, len(breaches), canaries,
                   time.monotonic() - started)
 
 
@@ -253,6 +263,12 @@ class LiveView:
         reply.raise_for_status()
         return sorted(reply.json(), key=lambda r: r["version"])
 
+    def canaries(self) -> list[dict[str, Any]]:
+        """Every canary with its figures and decision, oldest first."""
+        reply = self.http.get("/admin/releases/canaries", params={"limit": 100})
+        reply.raise_for_status()
+        return sorted(reply.json(), key=lambda c: c["version"])
+
     def breaches(self) -> list[dict[str, Any]]:
         """The reward-hacking monitors' breaches, newest first."""
         reply = self.http.get("/admin/trainer")
@@ -266,7 +282,7 @@ class LiveView:
 
         stats = developers.population.stats
         started = time.monotonic()
-        seen: set[int] = set()
+        seen: set[tuple[int, str]] = set()
         shown: list[dict[str, Any]] = []
         bar = tqdm(total=self.plan.releases, desc="releases", unit="release", dynamic_ncols=True)
         try:
@@ -280,12 +296,13 @@ class LiveView:
                               f"{b['value']:.3f} against {b['baseline']:.3f} (threshold "
                               f"{b['threshold']}), e.g. sessions {', '.join(b['sessions'][:3])}")
                 served = self._served_version()
-                for row in self.releases():
-                    if row["version"] > 0 and row["version"] not in seen \
-                            and row["status"] in ("published", "rejected"):
-                        seen.add(row["version"])
+                rows = self.releases()
+                for row in rows:  # a line when a candidate is refused, put in its canary,
+                    key = (row["version"], row["status"])  # promoted or rolled back
+                    if row["version"] > 0 and key not in seen and row["status"] != "candidate":
+                        seen.add(key)
                         bar.write(release_line(row))
-                published = sum(1 for v in stats.by_version if v > 0)
+                published = sum(r["version"] > 0 and r["status"] == "published" for r in rows)
                 bar.n = min(published, self.plan.releases)
                 newest = stats.by_version.get(served)
                 bar.set_postfix_str(
@@ -303,92 +320,3 @@ class LiveView:
         reply = self.http.get("/admin/status")
         reply.raise_for_status()
         return int(reply.json()["model_version"])
-
-
-def release_line(row: dict[str, Any]) -> str:
-    summary = row.get("eval_summary") or {}
-    figures = ""
-    if "candidate_pass_at_1" in summary:
-        figures = (f" held-out pass@1 {summary['served_pass_at_1']:.1%} -> "
-                   f"{summary['candidate_pass_at_1']:.1%}")
-    return f"release v{row['version']}: {row['status']}{figures} ({row['reason']})"
-
-
-def held_out_by_version(releases: list[dict[str, Any]]) -> dict[int, float]:
-    """Held-out pass@1 of every published version, from the eval gate's figures."""
-    out: dict[int, float] = {}
-    for row in releases:
-        summary = row.get("eval_summary") or {}
-        if "candidate_pass_at_1" not in summary:
-            continue
-        out.setdefault(int(row["parent"]), float(summary["served_pass_at_1"]))
-        if row["status"] in ("published", "rolled_back"):
-            out[int(row["version"])] = float(summary["candidate_pass_at_1"])
-    return dict(sorted(out.items()))
-
-
-def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
-           breaches: int, wall_s: float) -> int:
-    stats = population.stats
-    by = {v: s for v, s in sorted(stats.by_version.items())}
-    held_out = held_out_by_version(releases)
-    print(f"\n{'version':>8} {'sessions':>9} {'accepted':>9} {'rate':>6} {'held-out':>9}")
-    for v, s in by.items():
-        figure = f"{held_out[v]:.1%}" if v in held_out else "-"
-        print(f"{v:>8} {s.sessions:>9} {s.passed:>9} {s.acceptance:>6.1%} {figure:>9}")
-    versions = sorted(by)
-    gain = (by[versions[-1]].acceptance - by[versions[0]].acceptance) * 100 if versions else 0.0
-    held = sorted(held_out)
-    held_gain = (held_out[held[-1]] - held_out[held[0]]) * 100 if held else 0.0
-    plot = plot_demo(population.outcomes, held_out, settings.data_dir / "demo.png")
-    print(f"sessions {stats.sessions} ({stats.turns} completions; {stats.spanning_swap} spanned "
-          f"a hot-swap), feedback sent {stats.feedback_sent}, refused releases "
-          f"{sum(r['status'] == 'rejected' for r in releases)}; plot {plot}")
-    print(json.dumps({
-        "acceptance_by_version": {str(v): round(s.acceptance, 4) for v, s in by.items()},
-        "acceptance_gain_points": round(gain, 1),
-        "held_out_by_version": {str(v): round(p, 4) for v, p in held_out.items()},
-        "held_out_gain_points": round(held_gain, 1),
-        "releases": max(0, len(versions) - 1),
-        "failed_requests": stats.failed_requests,
-        "cheating_flagged": stats.cheating_flagged,
-        "monitor_breaches": breaches,
-        "wall_s": round(wall_s, 1)}))
-    return 0
-
-
-def plot_demo(outcomes: list[Any], held_out: dict[int, float], path: Path, *,
-              window: int = 150) -> Path | None:
-    """Live acceptance per served version over time (a rolling mean of `window` sessions,
-    dashed: the version's whole mean) and held-out pass@1 per version."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not outcomes:
-        return None
-    t0 = outcomes[0].finished_at
-    fig, (live, gate) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
-    for version in sorted({o.version for o in outcomes if o.version is not None}):
-        mine = [o for o in outcomes if o.version == version]
-        passed = [float(o.passed) for o in mine]
-        times = [o.finished_at - t0 for o in mine]
-        start = min(30, len(mine) - 1)  # a rolling mean of a handful is noise
-        spans = [passed[max(0, i - window + 1):i + 1] for i in range(start, len(mine))]
-        rolling = [sum(span) / len(span) for span in spans]
-        line, = live.plot(times[start:], rolling, label=f"v{version} ({len(mine)} sessions)")
-        live.hlines(sum(passed) / len(passed), times[0], times[-1], colors=line.get_color(),
-                    linestyles="dashed")
-    live.set(xlabel="live loop time (s)",
-             ylabel=f"sessions whose tests pass (rolling {window})", ylim=(0, 1),
-             title="Live acceptance of simulated developers, per served version")
-    live.legend(loc="upper left")
-    versions = sorted(held_out)
-    bars = gate.bar([f"v{v}" for v in versions], [held_out[v] for v in versions])
-    gate.bar_label(bars, labels=[f"{held_out[v]:.0%}" for v in versions])
-    gate.set(ylim=(0, 1), ylabel="held-out pass@1 (greedy)", title="Eval gate, per version")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -131,6 +131,8 @@ DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
                        "sessions the newest release serves before the demo ends"),
     "--developers": ("concurrency", int, "simulated developers at once"),
     "--temperature": ("temperature", float, "the developers' sampling temperature"),
+    "--canary-share": ("canary_share", float, "share of sessions a release serves until its "
+                       "canary's test decides (0: no canary)"),
     "--loop-seconds": ("max_loop_s", float,
                        "a safety stop: most seconds of live traffic, whatever was reached"),
 }

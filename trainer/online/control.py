@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from sqlalchemy import JSON, Column, Engine
 from sqlmodel import Field, Session, SQLModel, col, func, select
@@ -31,6 +31,18 @@ from trainer.release.monitors import Breach
 
 CommandKind = Literal["pause", "resume", "release"]
 STATUS_ROW = 1
+
+
+class TrainerControl(Protocol):
+    """The online loop's side of the control channel (`SqlTrainerControl` is one)."""
+
+    def pending(self) -> list[Any]: ...
+
+    def done(self, command_id: int, result: dict[str, Any]) -> None: ...
+
+    def publish(self, **fields: Any) -> None: ...
+
+    def record_breaches(self, breaches: Sequence[Breach]) -> None: ...
 
 
 class TrainerCommand(SQLModel, table=True):

@@ -9,7 +9,7 @@ is staler than `max_staleness` releases allow (`stale_before`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +55,12 @@ def stale_before(published_at: Sequence[float], max_staleness: int | None) -> fl
 
 def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
                max_batch: int, forgotten: Callable[[ExperienceReady], bool] | None = None,
-               stale_cut: float | None = None) -> Batch | None:
+               stale_cut: float | None = None,
+               stale_versions: Collection[int] = ()) -> Batch | None:
     """The longest prefix of `pending` holding at most `max_batch` untrained experiences, or
     None while fewer than `min_batch` are waiting. Consumes the prefix from `pending`.
     Experiences `forgotten` says are a deleted user's are passed over, never trained, and so
-    are those generated before `stale_cut`.
+    are those generated before `stale_cut` or by one of `stale_versions`.
 
     Taking a prefix keeps each partition's records in offset order, so "resume after this
     batch" is one offset per partition: the last taken + 1.
@@ -71,7 +72,8 @@ def take_batch(pending: list[Delivered[Any]], ledger: Ledger, *, min_batch: int,
         exp: ExperienceReady = record.event
         if forgotten is not None and forgotten(exp):
             dropped += 1
-        elif stale_cut is not None and as_utc(exp.generated_at).timestamp() < stale_cut:
+        elif (stale_cut is not None and as_utc(exp.generated_at).timestamp() < stale_cut
+              or exp.model_version in stale_versions):
             stale += 1
         elif not (ledger.contains(exp.experience_id) or exp.experience_id in fresh):
             fresh.add(exp.experience_id)

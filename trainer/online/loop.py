@@ -3,11 +3,15 @@
 The batches come from trainer/online/intake.py. `OnlineLoop` applies control commands
 (pause, resume, release), steps the trainer, checkpoints, commits Kafka offsets once the
 checkpoint is durable, and hands weights to the release pipeline every `release_every_steps`
-trainer steps, or every `release_interval_s`. A release that goes to a canary
-(trainer/release/canary_stage.py) holds the loop until the canary ends: the next candidate is
-built on a decided version. Promoted, it is the served release (the KL anchor, the staleness
-bound's newest release, from the moment it serves every session); rolled back, the trainer
-returns to the served release, as after a refusal.
+trainer steps, or every `release_interval_s`.
+
+A release that goes to a canary (trainer/release/canary_stage.py) serves its share of sessions
+from the moment it is announced, and the trainer trains on from its weights meanwhile: what
+was generated before counts as stale, and, under `max_staleness` 0, so does what its parent
+serves beside it. The next release waits for the decision (it is built on a decided
+version). Promoted: the canary's weights, stashed when it began, become the KL anchor.
+Rolled back: the trainer returns to the served release, as after a refusal, and the canary's
+own sessions are stale from then on.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +29,7 @@ from ingest.deletions import Forgotten
 from ingest.log import Delivered, EventProducer, ensure_topics
 from trainer.distributed import World
 from trainer.online.config import MAX_STALENESS, OnlineTrainerSettings
+from trainer.online.control import TrainerControl
 from trainer.online.intake import (
     Batch,
     ExperienceSource,
@@ -60,16 +65,6 @@ def _write_json(path: Path, value: Any) -> None:
     tmp.replace(path)
 
 
-class TrainerControl(Protocol):
-    def pending(self) -> list[Any]: ...
-
-    def done(self, command_id: int, result: dict[str, Any]) -> None: ...
-
-    def publish(self, **fields: Any) -> None: ...
-
-    def record_breaches(self, breaches: Sequence[Breach]) -> None: ...
-
-
 class OnlineLoop:
     """Poll -> batch -> step -> checkpoint -> commit; control commands; release cadence."""
 
@@ -91,8 +86,8 @@ class OnlineLoop:
         self._next_watch = 0.0
         self.skipped = self.dropped = self.stale = 0
         self.releases: list[dict[str, Any]] = []
-        self.canary: dict[str, Any] | None = None  # the release in its canary: the loop waits
-        self._next_control = 0.0
+        self._canary_result: dict[str, Any] | None = None  # the entry of the release in its canary
+        self._next_control = self._next_canary = 0.0
         self._checkpointed_step = trainer.state.step
         source.seek(trainer.state.offsets)
 
@@ -101,9 +96,12 @@ class OnlineLoop:
         while not stop.is_set() and not self._done():
             self._handle_control()
             self._watch_monitors()
-            if self.canary is not None:
+            if self.trainer.state.canary is not None:
                 self._follow_canary()
-            if self.paused or self.canary is not None:
+                if self.trainer.state.canary is None and self._release_due():
+                    self.release(requested_by="trainer", reason="release_interval")
+            if self.paused or (self.trainer.state.canary is not None
+                               and self._release_due()):  # the next release waits
                 stop.wait(self.cfg.control_every_s)
                 continue
             self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
@@ -112,7 +110,8 @@ class OnlineLoop:
             batch = take_batch(self.pending, self.trainer.ledger, min_batch=self.cfg.min_batch,
                                max_batch=self.cfg.max_batch, forgotten=self.forgotten,
                                stale_cut=stale_before(self.trainer.state.published_at,
-                                                      self.cfg.max_staleness))
+                                                      self.cfg.max_staleness),
+                               stale_versions=self.trainer.state.stale_versions)
             if batch is not None:
                 self._train(batch)
             else:
@@ -186,6 +185,9 @@ class OnlineLoop:
         if self.held:
             return {"released": False, "reason": "held by the monitors until the trainer is "
                     "resumed: " + "; ".join(b.describe() for b in self.held)}
+        if self.trainer.state.canary is not None:
+            return {"released": False, "reason": f"v{self.trainer.state.canary['version']} "
+                    "is in its canary"}
         state = self.trainer.state
         state.last_release_wall, state.last_release_step = time.time(), state.step
         if self.release_sink is None or state.step <= state.release_from_step:
@@ -207,9 +209,8 @@ class OnlineLoop:
                   "version": outcome.version, "sha256": outcome.sha256,
                   "reason": outcome.reason, "step_range": provenance["step_range"]}
         self.releases.append(result)
-        if outcome.canary:  # the loop waits for the decision (`_follow_canary`)
-            result["canary"] = "running"
-            self.canary = {"result": result, "outcome": outcome, "next": 0.0}
+        if outcome.canary:
+            self._begin_canary(result, outcome)
         else:
             self._settle(result, outcome)
         self._publish_status()
@@ -221,31 +222,63 @@ class OnlineLoop:
         state = self.trainer.state
         if result["released"]:
             self.trainer.adopt_reference()
-            if self.watch is not None:
-                self.watch.note_release(outcome.version, outcome.parent, outcome.eval_summary)
-            state.last_release = {**result, "at": time.time()}
-            kept = MAX_STALENESS + 1
-            state.published_at = [*state.published_at, state.last_release["at"]][-kept:]
+            self._mark_published()
+            self._served(outcome.version, outcome.parent, outcome.eval_summary, result)
         else:
             self.trainer.revert_to_reference()
         state.release_from_step = state.step  # refused steps are in no weights now
         self._checkpoint()
 
+    def _served(self, version: int, parent: int | None, eval_summary: dict[str, float],
+                result: dict[str, Any]) -> None:
+        if self.watch is not None:
+            self.watch.note_release(version, parent, eval_summary)
+        self.trainer.state.last_release = {**result, "at": time.time()}
+
+    def _mark_published(self) -> None:
+        """A release serves from now on: the staleness bound's newest."""
+        state, kept = self.trainer.state, MAX_STALENESS + 1
+        state.published_at = [*state.published_at, time.time()][-kept:]
+
+    def _begin_canary(self, result: dict[str, Any], outcome: ReleaseOutcome) -> None:
+        state = self.trainer.state
+        result["canary"] = "running"
+        self._canary_result = result
+        state.canary = {"version": outcome.version, "parent": outcome.parent,
+                        "sha256": self.trainer.stash(), "eval_summary": outcome.eval_summary}
+        self._mark_published()
+        if self.cfg.max_staleness == 0 and outcome.parent is not None:
+            state.stale_versions = [outcome.parent]  # its arm is a release behind
+        state.release_from_step = state.step
+        self._checkpoint()
+
     def _follow_canary(self) -> None:
-        """Every `control_every_s`: once the canary has ended, settle as its decision says."""
-        assert self.canary is not None and self.release_sink is not None
-        if time.monotonic() < self.canary["next"]:
+        """Every `control_every_s`: once the canary has ended, follow its decision."""
+        state = self.trainer.state
+        canary = state.canary
+        assert canary is not None and self.release_sink is not None
+        if time.monotonic() < self._next_canary:
             return
-        self.canary["next"] = time.monotonic() + self.cfg.control_every_s
-        result, outcome = self.canary["result"], self.canary["outcome"]
-        status = self.release_sink.status(outcome.version)
+        self._next_canary = time.monotonic() + self.cfg.control_every_s
+        status = self.release_sink.status(canary["version"])
         if status == "canary":
             return
+        result = self._canary_result
+        if result is None:  # begun before a restart
+            result = {"version": canary["version"], "sha256": canary["sha256"]}
+            self.releases.append(result)
         promoted = status == "published"
         result.update(released=promoted, canary="promoted" if promoted else "rolled_back")
-        log.info("canary v%d %s", outcome.version, result["canary"])
-        self.canary = None
-        self._settle(result, outcome)
+        if promoted:
+            self.trainer.adopt_stashed(canary["sha256"])
+            self._served(canary["version"], canary["parent"], canary["eval_summary"], result)
+        else:  # the served release again: the steps since the canary began are dropped
+            self.trainer.revert_to_reference()
+            state.release_from_step = state.step
+            state.stale_versions = [canary["version"]]
+        log.info("canary v%d %s", canary["version"], result["canary"])
+        state.canary, self._canary_result = None, None
+        self._checkpoint()
         self._publish_status()
 
     def _handle_control(self) -> None:

@@ -14,7 +14,8 @@ the trainer (consumer, batching, control, releases) is trainer/online/loop.py.
 
 Over N ranks (trainer/distributed.py) the model and the optimizer are sharded with FSDP2.
 The leader (rank 0) alone reads Kafka and runs the loop; each collective phase it enters
-(`step`, `checkpoint`, `export_candidate`, `adopt_reference`) it first announces, with its
+(`step`, `checkpoint`, `export_candidate`, `adopt_reference`, `stash`, `adopt_stashed`) it
+first announces, with its
 arguments, and the other ranks, in `follow`, enter the same phase (`Phases`). Every rank
 holds the whole batch, so advantages and baselines are the same everywhere; rank r trains rows
 r, r+N, …, its loss scaled so that FSDP's mean of the ranks' gradients is the gradient of the
@@ -76,6 +77,11 @@ class TrainerState:
     last_release_wall: float = field(default_factory=time.time)
     last_release_step: int = 0  # the step the last release was cut at (published or not)
     warmup_from: int = 0  # the step the rate last began warming up (start, or a refusal)
+    # the release in its canary (trainer/online/loop.py): version, parent, stashed sha256
+    canary: dict[str, Any] | None = None
+    # versions whose experiences are stale whatever their time: a canary's parent's under
+    # `max_staleness` 0 (its arm), a rolled-back canary's
+    stale_versions: list[int] = field(default_factory=list)
 
 
 def configure_torch(cfg: OnlineTrainerSettings) -> None:
@@ -301,14 +307,30 @@ class OnlineTrainer:
     def adopt_reference(self) -> str:
         """The current weights become the KL reference (a release was published); returns
         their sha256, under which the leader stored them for a resume."""
+        sha = self._store_weights()
+        self.reference.load_state_dict(self.served.model.state_dict())  # shard for shard
+        self.state.reference_sha256 = sha
+        return sha
+
+    @collective
+    def stash(self) -> str:
+        """Store the current weights under their sha256 and return it (a release in its
+        canary: they become the KL reference if it is promoted, `adopt_stashed`)."""
+        return self._store_weights()
+
+    @collective
+    def adopt_stashed(self, sha256: str) -> None:
+        """The weights `stash` stored under `sha256` become the KL reference."""
+        load_full_state_dict(self.reference, self.store.load_reference(sha256), self.world)
+        self.state.reference_sha256 = sha256
+
+    def _store_weights(self) -> str:
         weights = full_state_dict(self.served.model, self.world)
         sha = state_dict_sha256(weights) if self.world.leader else None
         if sha is not None:
             self.store.save_reference(sha, weights)
         del weights
-        self.reference.load_state_dict(self.served.model.state_dict())  # shard for shard
-        self.state.reference_sha256 = self.world.broadcast(sha)
-        return self.state.reference_sha256 or ""
+        return self.world.broadcast(sha) or ""
 
     @collective
     def export_candidate(self, path: Path) -> Path:

@@ -203,6 +203,10 @@ def rollback_release(ctx: ReleaseContext, version: int, *, requested_by: str = "
         current = head(session)
         if row is None:
             raise ReleaseError(f"no release v{version}")
+        running = session.exec(select(Release).where(Release.status == "canary")).first()
+        if running is not None:
+            raise ReleaseConflictError(f"v{running.version} is in its canary against the "
+                                       "head: end it first")
         if current is None or current.version != version:
             raise ReleaseConflictError(
                 f"v{version} is {row.status}, not the served head "

@@ -41,12 +41,12 @@ class RecordingSink:
 
 
 class CanarySink(RecordingSink):
-    """Every release goes to a canary, which ends after `waits` looks: the first rolled back,
-    the others promoted. Records the trainer's step at each look."""
+    """Every release goes to a canary: v1's is rolled back once the trainer has trained on
+    to step 4, v2's promoted at the third look. Records the trainer's step at each look."""
 
-    def __init__(self, trainer: OnlineTrainer, waits: int = 3) -> None:
+    def __init__(self, trainer: OnlineTrainer) -> None:
         super().__init__()
-        self.trainer, self.waits = trainer, waits
+        self.trainer = trainer
         self.looks: dict[int, list[int]] = {}
 
     def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
@@ -54,14 +54,14 @@ class CanarySink(RecordingSink):
         outcome = super().release(candidate, provenance, requested_by=requested_by,
                                   reason=reason)
         return ReleaseOutcome(version=outcome.version, published=True, sha256="s" * 64,
-                              canary=True)
+                              parent=outcome.version - 1, canary=True)
 
     def status(self, version: int) -> str:
-        looks = self.looks.setdefault(version, [])
-        looks.append(self.trainer.state.step)
-        if len(looks) < self.waits:
-            return "canary"
-        return "rolled_back" if version == 1 else "published"
+        step = self.trainer.state.step
+        self.looks.setdefault(version, []).append(step)
+        if version == 1:
+            return "canary" if step < 4 else "rolled_back"
+        return "canary" if len(self.looks[version]) < 3 else "published"
 
 
 def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) -> None:
@@ -221,14 +221,17 @@ def test_the_staleness_cut_is_the_publication_of_the_oldest_release_allowed() ->
     assert stale_before([10.0], 1) is None  # one release so far: version 0's traffic is fresh
 
 
-def test_a_canary_holds_the_loop_until_it_ends(settings: Settings, model_dir: Path) -> None:
-    """A release in its canary: no step is trained until the canary ends; rolled back, the
-    trainer returns to the served weights (as after a refusal); promoted, it counts as a
-    release (the loop stops after one) and its weights are the KL anchor."""
+def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
+        settings: Settings, model_dir: Path) -> None:
+    """A release in its canary: the trainer trains on from its weights, and the next release
+    waits for the decision. Rolled back (v1, at step 4): back to the served weights, the
+    steps since dropped, the canary's sessions stale. Promoted (v2): its weights, stashed
+    when the canary began, are the KL anchor, and it counts as a release (the loop stops
+    after one)."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 1,
         "deterministic": True, "control_every_s": 0.01})
-    kafka, root = produced_experiences(settings, model_dir, 8)
+    kafka, root = produced_experiences(settings, model_dir, 12)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="canary-test", dlq=None)
     sink = CanarySink(trainer)
@@ -238,10 +241,12 @@ def test_a_canary_holds_the_loop_until_it_ends(settings: Settings, model_dir: Pa
                             release_sink=sink).run()
     finally:
         source.close()
-    assert sink.looks == {1: [2, 2, 2], 2: [4, 4, 4]}  # no step while a canary ran
+    assert sink.looks[1][-1] == 4 and min(sink.looks[1]) == 2  # trained on through it
+    assert [p["step_range"] for _, p in sink.calls] == [[0, 1], [4, 5]]
     assert [(r["version"], r["canary"], r["released"]) for r in report.releases] == [
         (1, "rolled_back", False), (2, "promoted", True)]
-    assert trainer.state.warmup_from == 2  # back to the served weights after v1
-    assert trainer.state.reference_sha256 != reference  # v2's weights: the anchor
-    assert trainer.state.step == 4
+    state = trainer.state
+    assert state.warmup_from == 4 and state.stale_versions == [1] and state.canary is None
+    assert state.reference_sha256 not in (None, reference)  # v2's stashed weights
+    assert trainer.store.load_reference(state.reference_sha256 or "")
     torch.use_deterministic_algorithms(False)
