@@ -10,6 +10,10 @@ session's id) and send one signed verdict per session. Two releases go through
 - the second is judged like the incumbent: promoted, the replica hot-swaps to it, and the
   canary engine is closed.
 Every turn of a session is served by one version; no request fails.
+
+Then the failure planted in the weights: a candidate the online trainer made from the
+developers' verdicts on a model that solves its tasks, every reward negated, is rolled back
+by the canary on their real verdicts (the gate told to let it through).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from pydantic import SecretStr
 
 from app.cli.stack import running_stack
 from app.settings import Settings
+from ingest.events import ExperienceReady
 from ingest.signing import SIGNATURE_HEADER, sign
+from ingest.topic_reader import read_all
 from tests.integration.helpers import (
     JoinProcess,
     release_candidate,
@@ -162,3 +168,79 @@ def test_users_roll_back_a_worse_canary_and_promote_an_equal_one(
           f"{second['figures']['acceptance']['incumbent_sessions']}; canary engines prepared "
           f"in {builds} s; promotion's pause {promoted['last_swap']['paused_s'] * 1000:.1f} ms "
           f"(commit {promoted['last_swap']['copy_s'] * 1000:.1f} ms)")
+
+
+def test_a_candidate_trained_on_inverted_rewards_is_rolled_back(
+        settings: Settings, tmp_path: Path, model_dir: Path) -> None:
+    """The failure planted in the weights: version 0 is the tiny model mid-trained until it
+    solves its two tasks; simulated developers (simulate/developers.py) work on them through
+    the API with function calling and judge each session by its hidden tests. The online
+    trainer takes their joined verdicts with every reward negated and makes a candidate. The
+    gate is told to let anything through (the canary is the line under test): the canary's
+    test rolls it back on the developers' verdicts, the replica's primary never leaves
+    version 0, and no request fails."""
+    from simulate.developers import DeveloperPopulation, DeveloperSettings
+    from simulate.harness import HarnessConfig
+    from simulate.tasks import JsonlTasksConfig, build_task_source
+    from tests.conftest import skilled_model
+    from trainer.online.trainer import OnlineTrainer
+
+    for folder in ("skilled", "developers"):
+        (tmp_path / folder).mkdir()
+    skilled = skilled_model(model_dir, tmp_path / "skilled", steps=120)
+    tasks = build_task_source(JsonlTasksConfig(path=skilled / "tasks.jsonl",
+                                               held_out_fraction=1.0)).tasks()
+    settings = settings.model_copy(update={
+        "model_dir": skilled, "feedback_secrets": [SecretStr(SECRET)],
+        "release": settings.release.model_copy(update={
+            "canary": CanarySettings(enabled=True, share=0.5, min_sessions=20),
+            "eval": HeldOutLossEval(sequences=2, seq_len=64, max_regression=1e6)})})
+    admin = {"Authorization": f"Bearer {settings.admin_secret().get_secret_value()}"}
+    join = JoinProcess(settings, tmp_path / "join", f"join-{uuid.uuid4().hex[:8]}",
+                       tmp_path / "join.db", env={"FLYWHEEL_JOIN__SESSION_SETTLE_S": "0.5"})
+    stop = threading.Event()
+    developers = DeveloperPopulation(
+        "", tasks, secret=SECRET, workdir=tmp_path / "developers",
+        settings=DeveloperSettings(concurrency=4, noise=0.0, max_delay_s=0.05,
+                                   harness=HarnessConfig(max_turns=3, max_tokens=64)))
+    try:
+        with running_stack(settings) as stack, httpx.Client(
+                base_url=stack.base_url, timeout=60, headers=admin) as http:
+            developers.base_url = stack.base_url
+            thread = threading.Thread(target=lambda: asyncio.run(
+                developers.run(until=stop.is_set)), daemon=True)
+            thread.start()
+            kafka = stack.kafka
+            wait_for(lambda: developers.stats.sessions >= 32, "v0's sessions", 240)
+            wait_for(lambda: len(read_all(kafka, kafka.topics.experiences,
+                                          ExperienceReady)) >= 64, "v0's judged turns", 60)
+            v0 = developers.stats.by_version[0].acceptance
+            online = settings.online.model_copy(update={
+                "lr": 1e-3, "warmup_steps": 0, "kl_coef": 0.0, "min_batch": 32,
+                "max_batch": 32})
+            trainer = OnlineTrainer.restore(online, skilled, tmp_path / "trainer")
+            inverted = [e.model_copy(update={"reward": -e.reward}) for e in read_all(
+                kafka, kafka.topics.experiences, ExperienceReady)]
+            for _ in range(3):  # three passes over v0's sessions, rewards negated
+                for i in range(0, len(inverted) - 31, 32):
+                    trainer.step(inverted[i:i + 32])
+            candidate = trainer.export_candidate(settings.data_dir / "inverted.safetensors")
+            trainer.close()
+            r = http.post("/admin/releases", json={"candidate": str(candidate),
+                                                   "reason": "inverted rewards"})
+            assert r.status_code == 202, r.text
+            version = r.json()["version"]
+            decided = wait_for(lambda: ended(http, version), "the canary's decision", 240)
+            status = replica_status(http)
+            stop.set()
+            thread.join(timeout=300)
+    finally:
+        join.stop()
+
+    acceptance = decided["figures"]["acceptance"]
+    print(f"\nv0 acceptance {v0:.2f}; canary {acceptance['candidate_mean']:.2f} "
+          f"(n={acceptance['candidate_sessions']}) vs {acceptance['incumbent_mean']:.2f} "
+          f"(n={acceptance['incumbent_sessions']}): {decided['status']}")
+    assert decided["status"] == "rolled_back", decided
+    assert (status["version"], status["swaps"]) == (0, 0)  # the incumbent never left
+    assert developers.stats.failed_requests == 0
