@@ -77,10 +77,13 @@ def scenario(tmp_path: Path, model_dir: Path) -> tuple[Path, Path, dict[str, str
 
 def page(browser):  # type: ignore[no-untyped-def]
     """`find(css)` now, `present(css)` once it is there (90 s), and the wait itself."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(browser, 90, poll_frequency=0.2)
+    # the page redraws its tables every 3 s: an element found a moment ago may be gone
+    wait = WebDriverWait(browser, 90, poll_frequency=0.2,
+                         ignored_exceptions=[StaleElementReferenceException])
 
     def find(css: str):  # type: ignore[no-untyped-def]
         return browser.find_element(By.CSS_SELECTOR, css)
@@ -210,7 +213,7 @@ def test_console_canary_promote_and_rollback(browser, tmp_path: Path,  # type: i
         producer.close()
         wait.until(lambda d: "1.000 (n=3) vs 0.000 (n=3)" in find(
             '#canaries tr[data-version="1"] td.arms').text)
-        assert "diff 1.000 [" in find('#canaries tr[data-version="1"] td.arms').text
+        wait.until(lambda d: "diff 1.000 [" in find('#canaries tr[data-version="1"] td.arms').text)
         assert find("#served").get_attribute("data-version") == "0"  # the incumbent serves
         browser.save_screenshot(str(shots / "1-canary.png"))
 
@@ -218,7 +221,7 @@ def test_console_canary_promote_and_rollback(browser, tmp_path: Path,  # type: i
         present('#canaries tr[data-version="1"][data-status="promoted"]')
         present('#releases tr[data-version="1"][data-status="published"]')
         wait.until(lambda d: find("#served").get_attribute("data-version") == "1")
-        assert "admin" in find('#canaries tr[data-version="1"] td.decision').text
+        wait.until(lambda d: "admin" in find('#canaries tr[data-version="1"] td.decision').text)
         browser.save_screenshot(str(shots / "2-promoted.png"))
 
         make_checkpoint(model_dir, candidate, scale=1e-3, seed=6, base=first)
