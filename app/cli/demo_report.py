@@ -72,7 +72,7 @@ def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
         "acceptance_gain_points": round(gain, 1),
         "held_out_by_version": {str(v): round(p, 4) for v, p in held_out.items()},
         "held_out_gain_points": round(held_gain, 1),
-        "releases": max(0, len(versions) - 1),
+        "releases": len(served) - 1,  # published (promoted), whatever they served
         "failed_requests": stats.failed_requests,
         "cheating_flagged": stats.cheating_flagged,
         "monitor_breaches": breaches,
