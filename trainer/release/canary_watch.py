@@ -25,6 +25,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlmodel import Session
+
 from ingest.events import ExperienceReady
 from ingest.sql import open_database
 from ingest.topic_reader import TopicFollower
@@ -124,7 +126,8 @@ class CanaryWatch:
 
     def check(self) -> None:
         """Follow the release in its canary (if any) and publish the test's decision."""
-        release = canary_running(self.db)
+        with Session(self.db) as session:
+            release = canary_running(session)
         if release is None:
             self._running = None
             return

@@ -118,7 +118,8 @@ def build_release(ctx: ReleaseContext, *, candidate: Path | None = None,
     `version` is a row `reserve_version` made (None: reserve one now)."""
     config, provenance = ctx.config, provenance or {}
     served = ensure_base(ctx)
-    running = canary_running(ctx.db)
+    with Session(ctx.db) as session:
+        running = canary_running(session)
     if running is not None:
         raise ReleaseConflictError(f"v{running.version} is in its canary: promote it or roll "
                                    "it back before the next release")
@@ -203,7 +204,7 @@ def rollback_release(ctx: ReleaseContext, version: int, *, requested_by: str = "
         current = head(session)
         if row is None:
             raise ReleaseError(f"no release v{version}")
-        running = session.exec(select(Release).where(Release.status == "canary")).first()
+        running = canary_running(session)
         if running is not None:
             raise ReleaseConflictError(f"v{running.version} is in its canary against the "
                                        "head: end it first")
@@ -250,10 +251,9 @@ def head(session: Session) -> Release | None:
                         .order_by(col(Release.version).desc())).first()
 
 
-def canary_running(db: DbEngine) -> Release | None:
+def canary_running(session: Session) -> Release | None:
     """The release in its canary, if one is."""
-    with Session(db) as session:
-        return session.exec(select(Release).where(Release.status == "canary")).first()
+    return session.exec(select(Release).where(Release.status == "canary")).first()
 
 
 def reserve_version(db: DbEngine, *, requested_by: str, reason: str,
