@@ -32,7 +32,7 @@ def train_online_rank(settings_json: str, release: bool) -> int:
     """One rank of `flywheel train-online` (the whole of it in the one-process world): the
     leader takes the trainer control and the release pipeline, the others follow it."""
     from trainer.distributed import join_world, leave_world
-    from trainer.online.loop import run_online
+    from trainer.online.process import run_online
 
     settings = Settings.model_validate_json(settings_json)
     world = join_world(timeout_s=settings.online.collective_timeout_s)

@@ -40,7 +40,7 @@ def _zygote(settings_json: str) -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 
-    from trainer.online.loop import run_online
+    from trainer.online.process import run_online
 
     settings = Settings.model_validate_json(settings_json)
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ def test_online_trainer_reports_to_tensorboard_and_mlflow(settings: Settings, tm
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainer.online.loop import run_online
+    from trainer.online.process import run_online
 
     producer = EventProducer(settings.kafka_config(settings.kafka_bootstrap or ""))
     for exp in make_experiences(model_dir, 4 * STEPS, seed=3):

@@ -3,15 +3,18 @@
 The batches come from trainer/online/intake.py. `OnlineLoop` applies control commands
 (pause, resume, release), steps the trainer, checkpoints, commits Kafka offsets once the
 checkpoint is durable, and hands weights to the release pipeline every `release_every_steps`
-trainer steps, or every `release_interval_s`.
+trainer steps, or every `release_interval_s`. The pipeline builds and gates them on a
+thread (trainer/online/handoff.py) while the trainer trains on from them
+(`release_in_background`); the next release waits for the build.
 
 A release that goes to a canary (trainer/release/canary_stage.py) serves its share of sessions
 from the moment it is announced, and the trainer trains on from its weights meanwhile: what
 was generated before counts as stale, and, under `max_staleness` 0, so does what its parent
 serves beside it. The next release waits for the decision (it is built on a decided
-version). Promoted: the canary's weights, stashed when it began, become the KL anchor.
-Rolled back: the trainer returns to the served release, as after a refusal, and the canary's
-own sessions are stale from then on.
+version). Promoted: the canary's weights, stashed when they were handed over, become the KL
+anchor. Rolled back: the trainer returns to the served release, as after a refusal, and the
+canary's own sessions are stale from then on. The process around the loop is
+trainer/online/process.py.
 """
 
 from __future__ import annotations
@@ -22,26 +25,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ingest.config import KafkaConfig
 from ingest.deletions import Forgotten
-from ingest.log import Delivered, EventProducer, ensure_topics
-from trainer.distributed import World
-from trainer.online.config import MAX_STALENESS, OnlineTrainerSettings
+from ingest.log import Delivered
+from trainer.online.config import MAX_STALENESS
 from trainer.online.control import TrainerControl
-from trainer.online.intake import (
-    Batch,
-    ExperienceSource,
-    experience_source,
-    stale_before,
-    take_batch,
-)
+from trainer.online.handoff import Handoff
+from trainer.online.intake import Batch, ExperienceSource, stale_before, take_batch
 from trainer.online.monitor_watch import MonitorWatch
 from trainer.online.trainer import OnlineTrainer
 from trainer.release.monitors import Breach
 from trainer.release.pipeline import ReleaseOutcome, ReleaseSink
-from trainer.trackers import Trackers, TrackerSettings, build_trackers
+from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +83,7 @@ class OnlineLoop:
         self.skipped = self.dropped = self.stale = 0
         self.releases: list[dict[str, Any]] = []
         self._canary_result: dict[str, Any] | None = None  # the entry of the release in its canary
+        self.handoff: Handoff | None = None  # the candidate the pipeline is building
         self._next_control = self._next_canary = 0.0
         self._checkpointed_step = trainer.state.step
         source.seek(trainer.state.offsets)
@@ -96,12 +93,11 @@ class OnlineLoop:
         while not stop.is_set() and not self._done():
             self._handle_control()
             self._watch_monitors()
+            self.finish_release()
             if self.trainer.state.canary is not None:
                 self._follow_canary()
-                if self.trainer.state.canary is None and self._release_due():
-                    self.release(requested_by="trainer", reason="release_interval")
-            if self.paused or (self.trainer.state.canary is not None
-                               and self._release_due()):  # the next release waits
+            self._release_if_due()
+            if self.paused or (self._waiting() and self._release_due()):  # the next waits
                 stop.wait(self.cfg.control_every_s)
                 continue
             self.pending.extend(self.source.poll(timeout_ms=self.cfg.poll_timeout_ms))
@@ -116,13 +112,21 @@ class OnlineLoop:
                 self._train(batch)
             else:
                 self.trainer.tick()
-            if self._release_due():
-                self.release(requested_by="trainer", reason="release_interval")
+            self._release_if_due()
+        self.finish_release(wait=True)  # a build under way is seen through
         if self.trainer.state.step > self._checkpointed_step:  # a clean stop loses nothing
             self._checkpoint()
         self._publish_status()
         return OnlineReport(self.trainer.state.step, self.trainer.ledger.trained, self.skipped,
                             self.releases, self.dropped, self.stale)
+
+    def _release_if_due(self) -> None:
+        if not (self._waiting() or self._released_enough()) and self._release_due():
+            self.release(requested_by="trainer", reason="release_interval")
+
+    def _waiting(self) -> bool:
+        """A candidate is being built, or is in its canary: the next release waits."""
+        return self.handoff is not None or self.trainer.state.canary is not None
 
     def _release_due(self) -> bool:
         """Every `release_every_steps` trainer steps where set: each release holds the same
@@ -133,11 +137,13 @@ class OnlineLoop:
         return time.time() - state.last_release_wall >= self.cfg.release_interval_s
 
     def _done(self) -> bool:
-        published = sum(bool(r["released"]) for r in self.releases)
         return (self.cfg.stop_after is not None
-                and self.trainer.ledger.trained >= self.cfg.stop_after) or (
-            self.cfg.stop_after_releases is not None
-            and published >= self.cfg.stop_after_releases)
+                and self.trainer.ledger.trained >= self.cfg.stop_after) or self._released_enough()
+
+    def _released_enough(self) -> bool:
+        published = sum(bool(r["released"]) for r in self.releases)
+        return (self.cfg.stop_after_releases is not None
+                and published >= self.cfg.stop_after_releases)
 
     def _train(self, batch: Batch) -> None:
         self.skipped += batch.skipped
@@ -179,55 +185,75 @@ class OnlineLoop:
                 "generation_ids": [g for e in entries for g in e.generation_ids],
                 "feedback_event_ids": [f for e in entries for f in e.feedback_event_ids]}
 
-    def release(self, *, requested_by: str, reason: str) -> dict[str, Any]:
+    def release(self, *, requested_by: str, reason: str,
+                command_id: int | None = None) -> dict[str, Any] | None:
         """Hand the current weights to the release pipeline with their provenance (none while
-        a monitor's breach holds the trainer)."""
+        a monitor's breach holds the trainer, or another release is under way). Returns what
+        became of them, or None while the pipeline builds them in the background (the loop
+        then settles them, and answers `command_id`, when the build ends)."""
+        state = self.trainer.state
         if self.held:
             return {"released": False, "reason": "held by the monitors until the trainer is "
                     "resumed: " + "; ".join(b.describe() for b in self.held)}
-        if self.trainer.state.canary is not None:
-            return {"released": False, "reason": f"v{self.trainer.state.canary['version']} "
-                    "is in its canary"}
-        state = self.trainer.state
+        if state.canary is not None:
+            return {"released": False, "reason": f"v{state.canary['version']} is in its canary"}
+        if self.handoff is not None:
+            return {"released": False,
+                    "reason": f"steps {self.handoff.step_range} are being built"}
         state.last_release_wall, state.last_release_step = time.time(), state.step
         if self.release_sink is None or state.step <= state.release_from_step:
             return {"released": False, "reason": "no sink" if self.release_sink is None
                     else "no new steps since the last release"}
         provenance = self.provenance()
         path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
-        try:
-            outcome = self.release_sink.release(path, provenance, requested_by=requested_by,
-                                                reason=reason)
-        except Exception as exc:  # the pipeline recorded the failed build; training goes on
-            log.exception("the release of steps %s failed", provenance["step_range"])
-            result = {"released": False, "reason": f"build failed: {exc}",
-                      "step_range": provenance["step_range"]}
-            self.releases.append(result)
-            self._publish_status()
-            return result
-        result = {"released": outcome.published and not outcome.canary,
-                  "version": outcome.version, "sha256": outcome.sha256,
-                  "reason": outcome.reason, "step_range": provenance["step_range"]}
+        self.handoff = Handoff(provenance["step_range"], self.trainer.stash(),
+                               command_id).start(self.release_sink, path, provenance,
+                                                 requested_by=requested_by, reason=reason)
+        if not self.cfg.release_in_background:
+            return self.finish_release(wait=True)
+        return None
+
+    def finish_release(self, *, wait: bool = False) -> dict[str, Any] | None:
+        """Once the pipeline has built the candidate handed over (at once with `wait`): follow
+        what became of it, record it, and answer the command that asked for it."""
+        handoff = self.handoff
+        if handoff is None or not (wait or handoff.done()):
+            return None
+        handoff.wait()
+        self.handoff = None
+        result = handoff.result()
         self.releases.append(result)
-        if outcome.canary:
-            self._begin_canary(result, outcome)
-        else:
-            self._settle(result, outcome)
+        outcome = handoff.outcome  # None: the build failed, which judged nothing: its steps
+        if outcome is not None and outcome.published:  # go into the next candidate, which
+            self.trainer.state.release_from_step = handoff.step_range[1] + 1  # else starts here
+        if outcome is not None and outcome.canary:
+            self._begin_canary(result, outcome, handoff.sha256)
+        elif outcome is not None:
+            self._settle(result, outcome, handoff.sha256)
+        if self.control is not None and handoff.command_id is not None:
+            self.control.done(handoff.command_id, result)
         self._publish_status()
         return result
 
-    def _settle(self, result: dict[str, Any], outcome: ReleaseOutcome) -> None:
+    def _settle(self, result: dict[str, Any], outcome: ReleaseOutcome, sha256: str) -> None:
         """The trainer after a release's fate: served (the KL anchor and the staleness bound
-        follow it), or not (train on from what is served, not from the refused weights)."""
-        state = self.trainer.state
+        follow it), or not (train on from what is served, not from the refused weights: the
+        steps since they were handed over are dropped with them)."""
         if result["released"]:
-            self.trainer.adopt_reference()
+            self.trainer.adopt_stashed(sha256)
             self._mark_published()
             self._served(outcome.version, outcome.parent, outcome.eval_summary, result)
         else:
-            self.trainer.revert_to_reference()
-        state.release_from_step = state.step  # refused steps are in no weights now
+            self._back_to_served()
         self._checkpoint()
+
+    def _back_to_served(self) -> None:
+        """The steps since the served release are in no weights now: train on from the served
+        weights, and count the cadence from here."""
+        state = self.trainer.state
+        self.trainer.revert_to_reference()
+        state.release_from_step = state.last_release_step = state.step
+        state.last_release_wall = time.time()
 
     def _served(self, version: int, parent: int | None, eval_summary: dict[str, float],
                 result: dict[str, Any]) -> None:
@@ -240,16 +266,16 @@ class OnlineLoop:
         state, kept = self.trainer.state, MAX_STALENESS + 1
         state.published_at = [*state.published_at, time.time()][-kept:]
 
-    def _begin_canary(self, result: dict[str, Any], outcome: ReleaseOutcome) -> None:
+    def _begin_canary(self, result: dict[str, Any], outcome: ReleaseOutcome,
+                      sha256: str) -> None:
         state = self.trainer.state
         result["canary"] = "running"
         self._canary_result = result
         state.canary = {"version": outcome.version, "parent": outcome.parent,
-                        "sha256": self.trainer.stash(), "eval_summary": outcome.eval_summary}
+                        "sha256": sha256, "eval_summary": outcome.eval_summary}
         self._mark_published()
         if self.cfg.max_staleness == 0 and outcome.parent is not None:
             state.stale_versions = [outcome.parent]  # its arm is a release behind
-        state.release_from_step = state.step
         self._checkpoint()
 
     def _follow_canary(self) -> None:
@@ -273,8 +299,7 @@ class OnlineLoop:
             self.trainer.adopt_stashed(canary["sha256"])
             self._served(canary["version"], canary["parent"], canary["eval_summary"], result)
         else:  # the served release again: the steps since the canary began are dropped
-            self.trainer.revert_to_reference()
-            state.release_from_step = state.step
+            self._back_to_served()
             state.stale_versions = [canary["version"]]
         log.info("canary v%d %s", canary["version"], result["canary"])
         state.canary, self._canary_result = None, None
@@ -285,17 +310,22 @@ class OnlineLoop:
         if self.control is None or time.monotonic() < self._next_control:
             return
         self._next_control = time.monotonic() + self.cfg.control_every_s
+        building = self.handoff.command_id if self.handoff is not None else None
         for command in self.control.pending():
-            result: dict[str, Any]
+            result: dict[str, Any] | None
+            if command.id == building:  # answered when its build ends
+                continue
             if command.kind == "pause":
                 self.paused, result = True, {"paused": True}
             elif command.kind == "resume":  # acknowledges what the monitors found
                 self.paused, self.held, result = False, [], {"paused": False}
             elif command.kind == "release":
-                result = self.release(requested_by=command.requested_by, reason=command.reason)
+                result = self.release(requested_by=command.requested_by, reason=command.reason,
+                                      command_id=command.id)
             else:
                 result = {"error": f"unknown command {command.kind!r}"}
-            self.control.done(command.id, result)
+            if result is not None:
+                self.control.done(command.id, result)
         self._publish_status()
 
     def _watch_monitors(self) -> None:
@@ -325,72 +355,3 @@ class OnlineLoop:
                              last_release_version=last.get("version"),
                              last_release_step=(last.get("step_range") or [None, None])[1],
                              metrics=self.trainer.last_metrics)
-
-
-class OnlineProcessSettings(Protocol):
-    """What `run_online` reads of the process's settings (`app.settings.Settings` is one; the
-    trainer may not import the app, so the edge is typed by this shape)."""
-
-    @property
-    def online(self) -> OnlineTrainerSettings: ...
-
-    @property
-    def trackers(self) -> TrackerSettings: ...
-
-    @property
-    def kafka_bootstrap(self) -> str | None: ...
-
-    @property
-    def data_dir(self) -> Path: ...
-
-    @property
-    def batch_invariant(self) -> bool: ...
-
-    @property
-    def resolved_model_dir(self) -> Path: ...
-
-    @property
-    def resolved_candidate_path(self) -> Path: ...
-
-    def kafka_config(self, bootstrap: str) -> KafkaConfig: ...
-
-
-def run_online(settings: OnlineProcessSettings, *, world: World | None = None,
-               release_sink: ReleaseSink | None = None, control: TrainerControl | None = None,
-               stop: threading.Event | None = None,
-               on_step: Callable[[dict[str, float]], None] | None = None,
-               forgotten: Forgotten | None = None) -> OnlineReport:
-    """The `flywheel train-online` process: restore, consume, train, checkpoint, release,
-    never training what `forgotten` (the users' deletions) passes over.
-    On a rank other than the leader of `world`: restore, then follow the leader's phases."""
-    cfg = settings.online
-    if settings.kafka_bootstrap is None:
-        raise RuntimeError("settings.kafka_bootstrap is unset: the trainer needs Kafka")
-    root = cfg.resolved_checkpoint_dir(settings.data_dir)
-    trainer = OnlineTrainer.restore(cfg, settings.resolved_model_dir, root,
-                                   batch_invariant=settings.batch_invariant, world=world)
-    if not trainer.world.leader:
-        trainer.follow()
-        trainer.close()
-        return OnlineReport(trainer.state.step, trainer.ledger.trained, 0, [])
-    kafka = settings.kafka_config(settings.kafka_bootstrap)
-    ensure_topics(kafka)
-    dlq = EventProducer(kafka, client_id="flywheel-trainer-dlq")
-    source = experience_source(kafka, group_id=cfg.group_id, dlq=dlq)
-    trackers = build_trackers(settings.trackers, "online", root,
-                              params=cfg.model_dump(mode="json", exclude={"baseline"}))
-    watch = MonitorWatch(kafka, cfg.monitors).start() if cfg.monitors.enabled else None
-    try:
-        loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates",
-                          latest_candidate=settings.resolved_candidate_path,
-                          release_sink=release_sink, control=control, on_step=on_step,
-                          trackers=trackers, forgotten=forgotten, watch=watch)
-        return loop.run(stop)
-    finally:
-        if watch is not None:
-            watch.close()
-        trackers.close()
-        trainer.finish()
-        source.close()
-        dlq.close()
-        trainer.close()

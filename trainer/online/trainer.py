@@ -14,7 +14,7 @@ the trainer (consumer, batching, control, releases) is trainer/online/loop.py.
 
 Over N ranks (trainer/distributed.py) the model and the optimizer are sharded with FSDP2.
 The leader (rank 0) alone reads Kafka and runs the loop; each collective phase it enters
-(`step`, `checkpoint`, `export_candidate`, `adopt_reference`, `stash`, `adopt_stashed`) it
+(`step`, `checkpoint`, `export_candidate`, `stash`, `adopt_stashed`) it
 first announces, with its
 arguments, and the other ranks, in `follow`, enter the same phase (`Phases`). Every rank
 holds the whole batch, so advantages and baselines are the same everywhere; rank r trains rows
@@ -304,18 +304,9 @@ class OnlineTrainer:
         self.state.warmup_from = self.state.step
 
     @collective
-    def adopt_reference(self) -> str:
-        """The current weights become the KL reference (a release was published); returns
-        their sha256, under which the leader stored them for a resume."""
-        sha = self._store_weights()
-        self.reference.load_state_dict(self.served.model.state_dict())  # shard for shard
-        self.state.reference_sha256 = sha
-        return sha
-
-    @collective
     def stash(self) -> str:
-        """Store the current weights under their sha256 and return it (a release in its
-        canary: they become the KL reference if it is promoted, `adopt_stashed`)."""
+        """Store the current weights under their sha256 and return it (a candidate handed to
+        the release pipeline: they become the KL reference if it ships, `adopt_stashed`)."""
         return self._store_weights()
 
     @collective

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from app.settings import Settings
 from ingest.log import EventProducer
@@ -102,9 +104,12 @@ def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) ->
         assert trainer.state.step == 1
         assert settings.resolved_candidate_path.exists()  # POST /admin/releases builds this
         reference_before = trainer.state.reference_sha256
-        enqueue_command(db, "release", reason="test")
+        command = enqueue_command(db, "release", reason="test")
         time.sleep(0.02)
-        loop._handle_control()
+        loop._handle_control()  # handed to the pipeline, built on a thread
+        assert [c.id for c in control.pending()] == [command]  # answered once built
+        loop.finish_release(wait=True)
+        assert not control.pending()
     finally:
         source.close()
     (candidate, provenance), = sink.calls
@@ -161,7 +166,7 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
     the next, trained on from its weights."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
-        "deterministic": True})
+        "deterministic": True, "release_in_background": False})
     kafka, root = produced_experiences(settings, model_dir, 8)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="cadence-test", dlq=None)
@@ -185,7 +190,7 @@ def test_bounded_staleness_passes_over_what_an_older_release_served(
     generated after it. The records share one key, so one partition keeps their order."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 1, "stop_after_releases": 2,
-        "max_staleness": 0, "deterministic": True})
+        "max_staleness": 0, "deterministic": True, "release_in_background": False})
     kafka = settings.kafka_config(settings.kafka_bootstrap or "")
     now = time.time()
     made = make_experiences(model_dir, 6)
@@ -230,7 +235,7 @@ def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
     after one)."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 1,
-        "deterministic": True, "control_every_s": 0.01})
+        "deterministic": True, "control_every_s": 0.01, "release_in_background": False})
     kafka, root = produced_experiences(settings, model_dir, 12)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="canary-test", dlq=None)
@@ -249,4 +254,73 @@ def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
     assert state.warmup_from == 4 and state.stale_versions == [1] and state.canary is None
     assert state.reference_sha256 not in (None, reference)  # v2's stashed weights
     assert trainer.store.load_reference(state.reference_sha256 or "")
+    torch.use_deterministic_algorithms(False)
+
+
+class SlowGateSink(RecordingSink):
+    """Each build waits for the test to let it through (a gate taking its time), then the
+    first candidate is refused and the others are published."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Semaphore(0)
+
+    def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
+                reason: str) -> ReleaseOutcome:
+        outcome = super().release(candidate, provenance, requested_by=requested_by,
+                                  reason=reason)
+        assert self.gate.acquire(timeout=120)
+        if len(self.calls) == 1:
+            return ReleaseOutcome(version=1, published=False, sha256="", reason="refused")
+        return outcome
+
+
+def test_the_trainer_trains_on_while_its_candidate_is_gated(settings: Settings,
+                                                              model_dir: Path) -> None:
+    """`release_in_background`: while the pipeline builds a candidate the trainer trains on
+    from it, and the next candidate waits for the build. Refused (steps 0-1): the steps
+    trained since are dropped with it. Published (steps 4-5, then 6-7): the steps trained
+    since go into the next, and the KL anchor is the weights handed over, not the trainer's."""
+    online = settings.online.model_copy(update={
+        "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 2,
+        "deterministic": True, "control_every_s": 0.01})
+    kafka, root = produced_experiences(settings, model_dir, 20)
+    trainer = OnlineTrainer.restore(online, model_dir, root)
+    source = experience_source(kafka, group_id="background-test", dlq=None)
+    sink = SlowGateSink()
+    loop = OnlineLoop(trainer, source, candidate_dir=root / "candidates", release_sink=sink)
+    reports: list[Any] = []
+    runner = threading.Thread(target=lambda: reports.append(loop.run()), daemon=True)
+
+    def trained_to(step: int, calls: int) -> None:
+        deadline = time.monotonic() + 120
+        while (trainer.state.step, len(sink.calls)) != (step, calls):
+            assert time.monotonic() < deadline, (trainer.state.step, len(sink.calls))
+            time.sleep(0.05)
+        time.sleep(0.3)  # and no further: the next candidate waits for this build
+        assert (trainer.state.step, len(sink.calls)) == (step, calls)
+
+    runner.start()
+    try:
+        trained_to(4, 1)  # steps 2-3 trained during the first build
+        sink.gate.release()  # refused
+        trained_to(8, 2)
+        sink.gate.release()  # published; steps 6-7 are handed over at once
+        trained_to(10, 3)
+        sink.gate.release()
+        runner.join(timeout=120)
+    finally:
+        for _ in range(3):
+            sink.gate.release()
+        runner.join(timeout=120)
+        source.close()
+    assert [p["step_range"] for _, p in sink.calls] == [[0, 1], [4, 5], [6, 7]]
+    assert [r["released"] for r in reports[0].releases] == [False, True, True]
+    assert trainer.state.warmup_from == 4  # back to the served weights after the refusal
+    shipped = load_file(str(sink.calls[-1][0]))  # at step 8; the trainer is at step 10
+    reference, current = trainer.reference.state_dict(), trainer.model.state_dict()
+    names = [name for name in shipped if name in reference]
+    assert names and all(torch.equal(reference[n].to(shipped[n].dtype), shipped[n])
+                         for n in names)
+    assert not all(torch.equal(current[n].to(shipped[n].dtype), shipped[n]) for n in names)
     torch.use_deterministic_algorithms(False)
