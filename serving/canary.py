@@ -68,9 +68,15 @@ class ServedVersions:
         return self.primary
 
     @contextlib.contextmanager
-    def serving(self, engine: Engine) -> Iterator[Engine]:
-        """Count a request in flight on `engine` while the block runs."""
+    def serving(self, engine: Engine, session_id: str | None) -> Iterator[Engine]:
+        """Count a request in flight while the block runs, on `engine` (the one `engine_for`
+        chose when it was planned), or, when that was a canary closed since, on the engine
+        that serves `session_id` now. The choice and the count share the lock `close_canary`
+        takes, so a canary engine is never closed under a request."""
         with self._lock:
+            canary = self._canary
+            if engine is not self.primary and (canary is None or engine is not canary.engine):
+                engine = self.engine_for(session_id)
             self._in_flight[id(engine)] = self._in_flight.get(id(engine), 0) + 1
         try:
             yield engine
@@ -84,12 +90,14 @@ class ServedVersions:
 
     def open_canary(self, engine: Engine, share: float) -> None:
         """Serve the sessions under `share` from `engine` from now on."""
-        self._canary = Canary(engine, share)
+        with self._lock:
+            self._canary = Canary(engine, share)
 
     def close_canary(self, drain_timeout_s: float = 120.0) -> Engine | None:
         """Send every new session to the primary, wait for the canary engine's requests in
         flight to finish (up to `drain_timeout_s`), then close it; returns it (None: none)."""
-        canary, self._canary = self._canary, None
+        with self._lock:
+            canary, self._canary = self._canary, None
         if canary is None:
             return None
         deadline = time.monotonic() + drain_timeout_s

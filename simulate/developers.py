@@ -50,6 +50,8 @@ from simulate.rollouts import SandboxCache, TaskEnvironment
 from simulate.tasks import Task
 from simulate.tools import ToolCall, render_call
 
+MAX_FAILURES_KEPT = 5  # failed sessions whose errors the stats keep, for the report
+
 
 def version_of(fingerprint: str) -> int:
     """The version number in a `system_fingerprint` ("fw-v3-<sha12>" -> 3)."""
@@ -182,6 +184,7 @@ class PopulationStats:
     turns: int = 0
     cheating_flagged: int = 0
     failed_requests: int = 0
+    failures: list[str] = field(default_factory=list)  # the first few, with their errors
     feedback_sent: int = 0
     feedback_failed: int = 0
 
@@ -258,8 +261,10 @@ class DeveloperPopulation:
         try:
             trajectory: Trajectory[Any] = await Harness(turns, self.settings.harness).run(
                 env, task_id=task.task_id, seed=self.settings.seed * 100_003 + number)
-        except (openai.APIError, httpx.HTTPError):
+        except (openai.APIError, httpx.HTTPError) as exc:
             self.stats.failed_requests += 1
+            if len(self.stats.failures) < MAX_FAILURES_KEPT:
+                self.stats.failures.append(f"{session_id}: {type(exc).__name__}: {exc}")
             return None
         result = await asyncio.to_thread(env.test_result)
         fraction = (result.tests_passed or 0) / max(1, result.tests_total or 0)

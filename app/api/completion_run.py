@@ -33,8 +33,10 @@ async def run_choices(services: Services, p: Plan) -> AsyncGenerator[Step, None]
             await events.put((choice, exc))
         await events.put((choice, None))
 
-    # a canary engine is closed only once no request is in flight on it (serving/canary.py)
-    with services.versions.serving(p.engine):
+    # a canary engine is closed only once no request is in flight on it, and a request
+    # planned on a canary closed since runs where its session is served now (serving/canary.py)
+    with services.versions.serving(p.engine, p.session_id) as engine:
+        p.engine = engine
         tasks = [asyncio.create_task(pump(c)) for c in p.choices]
         try:
             with services.live.request():  # a scavenging rollout worker yields while any is

@@ -67,6 +67,8 @@ def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
           f"a hot-swap or a canary's end), feedback sent {stats.feedback_sent}, refused "
           f"releases {sum(r['status'] == 'rejected' for r in releases)}, canaries rolled "
           f"back {sum(r['status'] == 'rolled_back' for r in releases)}; plot {plot}")
+    for failure in stats.failures:
+        print(f"failed request: {failure}")
     print(json.dumps({
         "acceptance_by_version": {str(v): round(s.acceptance, 4) for v, s in by.items()},
         "acceptance_gain_points": round(gain, 1),

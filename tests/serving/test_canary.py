@@ -38,7 +38,7 @@ def test_the_canary_engine_closes_once_its_last_request_is_done(model_dir: Path)
         done: list[int] = []
 
         def request() -> None:  # a request in flight on the canary while it is closed
-            with versions.serving(canary):
+            with versions.serving(canary, inside):
                 result = asyncio.run(canary.generate(GenerationRequest(
                     prompt_token_ids=[1, 2, 3], max_tokens=16, seed=0)))
                 done.append(len(result.token_ids))
@@ -52,6 +52,29 @@ def test_the_canary_engine_closes_once_its_last_request_is_done(model_dir: Path)
         thread.join(timeout=60)
         assert closed is canary and done and done[0] >= 1  # it finished, then the close
         assert versions.canary is None and versions.engine_for(inside) is primary
+    finally:
+        primary.close()
+        canary.close()
+
+
+def test_a_request_planned_on_a_canary_closed_since_runs_on_the_primary(
+        model_dir: Path) -> None:
+    """The engine is chosen when a request is planned and counted when it runs: a canary
+    closed in between (its drain saw nothing in flight) does not take the request down; it
+    runs where its session is served now."""
+    primary = TorchEngine.load(model_dir, threads=1)
+    canary = TorchEngine.load(model_dir, version_number=0, threads=1)
+    versions = ServedVersions(primary)
+    try:
+        versions.open_canary(canary, 1.0)
+        planned = versions.engine_for("a-session")
+        assert planned is canary
+        assert versions.close_canary() is canary  # nothing in flight: closed at once
+        with versions.serving(planned, "a-session") as engine:
+            assert engine is primary and versions.in_flight(primary) == 1
+            result = asyncio.run(engine.generate(GenerationRequest(
+                prompt_token_ids=[1, 2, 3], max_tokens=4, seed=0)))
+        assert result.token_ids and versions.in_flight(primary) == 0
     finally:
         primary.close()
         canary.close()

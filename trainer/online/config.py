@@ -100,9 +100,10 @@ class OnlineTrainerSettings(BaseModel):
     # release_interval_s of wall time (a product's cadence: every few hours)
     release_every_steps: int | None = Field(default=None, ge=1)
     release_interval_s: float = Field(default=3 * 3600.0, gt=0.0)
-    # the pipeline builds and gates a candidate on a thread while the trainer trains on from
-    # it (on what the served release generates meanwhile); False: the trainer waits for it
-    release_in_background: bool = True
+    # True: the pipeline builds and gates a candidate on a thread while the trainer trains on
+    # from it, on what the served release generates meanwhile (docs/online.md#releases: in two
+    # demo runs it cut the live loop's time by a fifth and its gains too); False: it waits
+    release_in_background: bool = False
     poll_timeout_ms: int = Field(default=200, ge=1)
     control_every_s: float = Field(default=1.0, gt=0.0)
     # Deterministic mode: 1 thread, torch.use_deterministic_algorithms, fixed seed. Two runs

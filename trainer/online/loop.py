@@ -3,9 +3,9 @@
 The batches come from trainer/online/intake.py. `OnlineLoop` applies control commands
 (pause, resume, release), steps the trainer, checkpoints, commits Kafka offsets once the
 checkpoint is durable, and hands weights to the release pipeline every `release_every_steps`
-trainer steps, or every `release_interval_s`. The pipeline builds and gates them on a
-thread (trainer/online/handoff.py) while the trainer trains on from them
-(`release_in_background`); the next release waits for the build.
+trainer steps, or every `release_interval_s`, and waits for the build, or, with
+`release_in_background`, trains on from them while the pipeline builds and gates them on a
+thread (trainer/online/handoff.py); the next release waits for the build.
 
 A release that goes to a canary (trainer/release/canary_stage.py) serves its share of sessions
 from the moment it is announced, and the trainer trains on from its weights meanwhile: what

@@ -68,7 +68,8 @@ class CanarySink(RecordingSink):
 
 def test_pause_resume_release_and_status(settings: Settings, model_dir: Path) -> None:
     settings = settings.model_copy(update={"online": settings.online.model_copy(update={
-        "min_batch": 4, "max_batch": 4, "deterministic": True, "control_every_s": 0.01})})
+        "min_batch": 4, "max_batch": 4, "deterministic": True, "control_every_s": 0.01,
+        "release_in_background": True})})
     kafka = settings.kafka_config(settings.kafka_bootstrap or "")
     experiences = make_experiences(model_dir, 4)
     producer = EventProducer(kafka)
@@ -166,7 +167,7 @@ def test_a_release_every_n_steps_whatever_the_gate_said(settings: Settings, mode
     the next, trained on from its weights."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after": 8,
-        "deterministic": True, "release_in_background": False})
+        "deterministic": True})
     kafka, root = produced_experiences(settings, model_dir, 8)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="cadence-test", dlq=None)
@@ -190,7 +191,7 @@ def test_bounded_staleness_passes_over_what_an_older_release_served(
     generated after it. The records share one key, so one partition keeps their order."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 1, "stop_after_releases": 2,
-        "max_staleness": 0, "deterministic": True, "release_in_background": False})
+        "max_staleness": 0, "deterministic": True})
     kafka = settings.kafka_config(settings.kafka_bootstrap or "")
     now = time.time()
     made = make_experiences(model_dir, 6)
@@ -235,7 +236,7 @@ def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
     after one)."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 1,
-        "deterministic": True, "control_every_s": 0.01, "release_in_background": False})
+        "deterministic": True, "control_every_s": 0.01})
     kafka, root = produced_experiences(settings, model_dir, 12)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="canary-test", dlq=None)
@@ -283,7 +284,7 @@ def test_the_trainer_trains_on_while_its_candidate_is_gated(settings: Settings,
     since go into the next, and the KL anchor is the weights handed over, not the trainer's."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 2,
-        "deterministic": True, "control_every_s": 0.01})
+        "deterministic": True, "control_every_s": 0.01, "release_in_background": True})
     kafka, root = produced_experiences(settings, model_dir, 20)
     trainer = OnlineTrainer.restore(online, model_dir, root)
     source = experience_source(kafka, group_id="background-test", dlq=None)
