@@ -101,8 +101,8 @@ class OnlineTrainerSettings(BaseModel):
     release_every_steps: int | None = Field(default=None, ge=1)
     release_interval_s: float = Field(default=3 * 3600.0, gt=0.0)
     # True: the pipeline builds and gates a candidate on a thread while the trainer trains on
-    # from it, on what the served release generates meanwhile (docs/online.md#releases: in two
-    # demo runs it cut the live loop's time by a fifth and its gains too); False: it waits
+    # from it, on what the served release generates meanwhile (docs/online.md#releases: two
+    # demo runs, shorter, their gains within the runs' spread); False: the trainer waits
     release_in_background: bool = False
     poll_timeout_ms: int = Field(default=200, ge=1)
     control_every_s: float = Field(default=1.0, gt=0.0)
