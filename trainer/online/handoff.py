@@ -4,8 +4,8 @@ The pipeline's build (trainer/release/pipeline.py: eval gate, delta, store, anno
 as long as the gate's episodes, and the served release keeps generating meanwhile. Until the
 candidate is published that release is still the newest, so what it serves is fresh under
 any staleness bound: the trainer trains on it, from the candidate's weights, instead of
-letting it go stale while it waits. The weights handed over are stashed first (their sha256
-is what the KL anchor becomes if they ship), since the trainer's own move on.
+letting it go stale while it waits. The weights handed over are stashed first (the KL
+anchor from then on, and what ships), since the trainer's own move on.
 """
 
 from __future__ import annotations

@@ -11,10 +11,14 @@ A release that goes to a canary (trainer/release/canary_stage.py) serves its sha
 from the moment it is announced, and the trainer trains on from its weights meanwhile: what
 was generated before counts as stale, and, under `max_staleness` 0, so does what its parent
 serves beside it. The next release waits for the decision (it is built on a decided
-version). Promoted: the canary's weights, stashed when they were handed over, become the KL
-anchor. Rolled back: the trainer returns to the served release, as after a refusal, and the
-canary's own sessions are stale from then on. The process around the loop is
-trainer/online/process.py.
+version). Promoted: it serves every session. Rolled back: the trainer returns to the served
+release, as after a refusal, and the canary's own sessions are stale from then on.
+
+The weights handed over become the KL anchor at once, stashed under their sha256: the trainer
+trains on from them, so its trust region is around them (anchored to the parent, a long
+canary or build pulls the trainer back toward the parent). A refusal or a rollback returns
+both the policy and the anchor to the served release's weights. The process around the loop
+is trainer/online/process.py.
 """
 
 from __future__ import annotations
@@ -206,7 +210,9 @@ class OnlineLoop:
                     else "no new steps since the last release"}
         provenance = self.provenance()
         path = self.trainer.export_candidate(self.candidate_dir / f"step-{state.step}.safetensors")
-        self.handoff = Handoff(provenance["step_range"], self.trainer.stash(),
+        sha256 = self.trainer.stash()
+        self.trainer.adopt_stashed(sha256)  # the KL anchor: the weights trained on from
+        self.handoff = Handoff(provenance["step_range"], sha256,
                                command_id).start(self.release_sink, path, provenance,
                                                  requested_by=requested_by, reason=reason)
         if not self.cfg.release_in_background:
@@ -226,9 +232,11 @@ class OnlineLoop:
         outcome = handoff.outcome  # None: the build failed, which judged nothing: its steps
         if outcome is not None and outcome.published:  # go into the next candidate, which
             self.trainer.state.release_from_step = handoff.step_range[1] + 1  # else starts here
-        if outcome is not None and outcome.canary:
+        if outcome is None:  # anchored to what serves again
+            self.trainer.adopt_stashed(self.trainer.state.served_sha256 or "")
+        elif outcome.canary:
             self._begin_canary(result, outcome, handoff.sha256)
-        elif outcome is not None:
+        else:
             self._settle(result, outcome, handoff.sha256)
         if self.control is not None and handoff.command_id is not None:
             self.control.done(handoff.command_id, result)
@@ -236,11 +244,11 @@ class OnlineLoop:
         return result
 
     def _settle(self, result: dict[str, Any], outcome: ReleaseOutcome, sha256: str) -> None:
-        """The trainer after a release's fate: served (the KL anchor and the staleness bound
-        follow it), or not (train on from what is served, not from the refused weights: the
-        steps since they were handed over are dropped with them)."""
+        """The trainer after a release's fate: served (the staleness bound follows it), or
+        not (train on from what is served, not from the refused weights: the steps since they
+        were handed over are dropped with them)."""
         if result["released"]:
-            self.trainer.adopt_stashed(sha256)
+            self.trainer.state.served_sha256 = sha256
             self._mark_published()
             self._served(outcome.version, outcome.parent, outcome.eval_summary, result)
         else:
@@ -251,7 +259,7 @@ class OnlineLoop:
         """The steps since the served release are in no weights now: train on from the served
         weights, and count the cadence from here."""
         state = self.trainer.state
-        self.trainer.revert_to_reference()
+        self.trainer.revert_to_served()
         state.release_from_step = state.last_release_step = state.step
         state.last_release_wall = time.time()
 
@@ -296,7 +304,7 @@ class OnlineLoop:
         promoted = status == "published"
         result.update(released=promoted, canary="promoted" if promoted else "rolled_back")
         if promoted:
-            self.trainer.adopt_stashed(canary["sha256"])
+            state.served_sha256 = canary["sha256"]
             self._served(canary["version"], canary["parent"], canary["eval_summary"], result)
         else:  # the served release again: the steps since the canary began are dropped
             self._back_to_served()

@@ -70,7 +70,8 @@ class TrainerState:
     sequence: int = 0  # checkpoint number
     offsets: Offsets = field(default_factory=dict)
     baseline: dict[str, Any] = field(default_factory=dict)
-    reference_sha256: str | None = None
+    reference_sha256: str | None = None  # the KL anchor: the newest release handed over
+    served_sha256: str | None = None  # what serves every session: a refusal's way back
     release_from_step: int = 0  # first step not contained in a release yet
     last_release: dict[str, Any] | None = None
     published_at: list[float] = field(default_factory=list)  # unix times, oldest first
@@ -117,7 +118,8 @@ class OnlineTrainer:
         self.store = store
         self.optimizer = self._new_optimizer()
         self.baseline = build_baseline(cfg.baseline)
-        self.state = TrainerState(reference_sha256=reference_sha256)
+        self.state = TrainerState(reference_sha256=reference_sha256,
+                                  served_sha256=reference_sha256)
         self.ledger = Ledger()
         self.last_metrics: dict[str, float] = {}
 
@@ -154,6 +156,8 @@ class OnlineTrainer:
         base_sha = state_dict_sha256(served.model.state_dict())  # whole, before it is sharded
         reference = copy.deepcopy(served.model)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
+        if world.leader:  # what a refusal before the first release goes back to
+            store.save_reference(base_sha, full_state_dict(served.model, World()))
         pad_id = int(model.config.pad_token_id)
         anchor = (FormatAnchor.build(cfg.anchor, tokenizer, pad_id) if cfg.anchor.coef > 0
                   else None)
@@ -176,7 +180,8 @@ class OnlineTrainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=weights,
                        optim_state_dict=optimizer)
         self.served.refresh()
-        self.state = TrainerState(**ckpt.state)
+        self.state = TrainerState(**{"served_sha256": ckpt.state.get("reference_sha256"),
+                                     **ckpt.state})
         self.baseline.load_state_dict(self.state.baseline)
         self.ledger = ckpt.ledger
         if self.state.reference_sha256 != base_sha:
@@ -294,10 +299,12 @@ class OnlineTrainer:
                                world=self.world)
 
     @collective
-    def revert_to_reference(self) -> None:
-        """Back to the served release, whose weights the KL reference holds (the gate refused
-        a candidate: training on from its weights would carry its drift into the next one),
-        with fresh AdamW moments and the rate warming up again."""
+    def revert_to_served(self) -> None:
+        """Back to the release that serves every session (the gate refused a candidate, or
+        its canary rolled it back: training on from its weights would carry its drift into
+        the next one): its weights become the policy's and the KL reference's again, with
+        fresh AdamW moments and the rate warming up again."""
+        self.adopt_stashed(self.state.served_sha256 or "")
         self.model.load_state_dict(self.reference.state_dict())  # shard for shard (upcast)
         self.served.refresh()
         self.optimizer = self._new_optimizer()
@@ -306,14 +313,15 @@ class OnlineTrainer:
     @collective
     def stash(self) -> str:
         """Store the current weights under their sha256 and return it (a candidate handed to
-        the release pipeline: they become the KL reference if it ships, `adopt_stashed`)."""
+        the release pipeline: the KL reference from then on, `adopt_stashed`)."""
         return self._store_weights()
 
     @collective
     def adopt_stashed(self, sha256: str) -> None:
         """The weights `stash` stored under `sha256` become the KL reference."""
-        load_full_state_dict(self.reference, self.store.load_reference(sha256), self.world)
-        self.state.reference_sha256 = sha256
+        if sha256 != self.state.reference_sha256:
+            load_full_state_dict(self.reference, self.store.load_reference(sha256), self.world)
+            self.state.reference_sha256 = sha256
 
     def _store_weights(self) -> str:
         weights = full_state_dict(self.served.model, self.world)

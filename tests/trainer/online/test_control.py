@@ -44,12 +44,14 @@ class RecordingSink:
 
 class CanarySink(RecordingSink):
     """Every release goes to a canary: v1's is rolled back once the trainer has trained on
-    to step 4, v2's promoted at the third look. Records the trainer's step at each look."""
+    to step 4, v2's promoted at the third look. Records the trainer's step and KL anchor at
+    each look."""
 
     def __init__(self, trainer: OnlineTrainer) -> None:
         super().__init__()
         self.trainer = trainer
         self.looks: dict[int, list[int]] = {}
+        self.anchors: dict[int, set[str | None]] = {}
 
     def release(self, candidate: Path, provenance: dict[str, Any], *, requested_by: str,
                 reason: str) -> ReleaseOutcome:
@@ -61,6 +63,7 @@ class CanarySink(RecordingSink):
     def status(self, version: int) -> str:
         step = self.trainer.state.step
         self.looks.setdefault(version, []).append(step)
+        self.anchors.setdefault(version, set()).add(self.trainer.state.reference_sha256)
         if version == 1:
             return "canary" if step < 4 else "rolled_back"
         return "canary" if len(self.looks[version]) < 3 else "published"
@@ -231,9 +234,10 @@ def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
         settings: Settings, model_dir: Path) -> None:
     """A release in its canary: the trainer trains on from its weights, and the next release
     waits for the decision. Rolled back (v1, at step 4): back to the served weights, the
-    steps since dropped, the canary's sessions stale. Promoted (v2): its weights, stashed
-    when the canary began, are the KL anchor, and it counts as a release (the loop stops
-    after one)."""
+    steps since dropped, the canary's sessions stale. Through each canary the KL anchor is
+    the candidate's weights, stashed when they were handed over (the trainer trains on from
+    them); rolled back, the served ones again. Promoted (v2): it counts as a release (the loop
+    stops after one)."""
     online = settings.online.model_copy(update={
         "min_batch": 2, "max_batch": 2, "release_every_steps": 2, "stop_after_releases": 1,
         "deterministic": True, "control_every_s": 0.01})
@@ -253,7 +257,9 @@ def test_the_trainer_trains_on_through_a_canary_and_follows_its_decision(
         (1, "rolled_back", False), (2, "promoted", True)]
     state = trainer.state
     assert state.warmup_from == 4 and state.stale_versions == [1] and state.canary is None
-    assert state.reference_sha256 not in (None, reference)  # v2's stashed weights
+    (v1_anchor,), (v2_anchor,) = sink.anchors[1], sink.anchors[2]
+    assert len({reference, v1_anchor, v2_anchor}) == 3  # each candidate's own weights
+    assert state.reference_sha256 == state.served_sha256 == v2_anchor
     assert trainer.store.load_reference(state.reference_sha256 or "")
     torch.use_deterministic_algorithms(False)
 

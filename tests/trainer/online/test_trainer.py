@@ -51,10 +51,14 @@ def test_a_refused_candidate_sends_the_trainer_back_to_the_served_weights(
     trainer = OnlineTrainer.restore(_cfg(), model_dir, tmp_path)
     served = {n: t.clone() for n, t in trainer.reference.state_dict().items()}
     trainer.step(experiences[:4])
+    trainer.adopt_stashed(trainer.stash())  # handed over: the KL anchor from then on
+    assert not all(torch.equal(t, served[n]) for n, t in trainer.reference.state_dict().items())
     trainer.step(experiences[4:8])
     assert not all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
-    trainer.revert_to_reference()
+    trainer.revert_to_served()
     assert all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
+    assert all(torch.equal(t, served[n]) for n, t in trainer.reference.state_dict().items())
+    assert trainer.state.reference_sha256 == trainer.state.served_sha256
     assert not trainer.optimizer.state  # fresh moments
     assert trainer.state.warmup_from == trainer.state.step == 2
     trainer.step(experiences[:4])  # and it trains on from there
