@@ -81,6 +81,8 @@ class RolloutSampling(BaseModel):
     max_tokens: int = Field(ge=1)
     max_turns: int = Field(ge=1)
     context_budget: int = Field(ge=16)
+    max_summaries: int = Field(default=2, ge=0)
+    overflow: Literal["summarize", "truncate"] = "summarize"
 
 
 RewardMode = Literal["partial", "fraction", "all"]

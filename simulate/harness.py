@@ -23,7 +23,10 @@ nudge), sample the model's turn and get its tool calls. Two backends:
 A turn without a call gets a user message asking for one. Self-summarization: when the
 context passes `context_budget` tokens, the harness asks the model to summarize its progress;
 the summary is sampled (and trained) like any model turn, then a fresh context starts from
-the system prompt, the task and that summary (at most `max_summaries` times). Each context
+the system prompt, the task and that summary (at most `max_summaries` times). The baseline it
+is measured against (`overflow="truncate"`, bench/horizon.py) drops the oldest turns instead:
+the fresh context opens with the newest `KEEP_RESULTS` calls and results as they were. A
+task may set its own turn limit (`ToolEnvironment.max_turns`: the long tasks'). Each context
 window is one segment; a trajectory is the list of its segments, all sharing the episode's
 reward. A window with no room for another turn (`ContextFull`) ends the episode, scored as it
 stands, with `ended_by = "context"`.
@@ -44,7 +47,10 @@ from simulate.tools import DEFAULT_FORMAT, ToolCall
 
 SUMMARIZE_PROMPT = "Context is full. Summarize your progress so far in a few lines."
 SUMMARY_PREFIX = "Summary of your earlier progress:\n"
+KEEP_RESULTS = 2  # calls (with their results) the truncation baseline carries over
 NO_CALL = "error: no tool call. Call one of the tools."
+TRUNCATED_PREFIX = "Earlier turns were dropped. Your last calls and their results:\n"
+Overflow = Literal["summarize", "truncate"]
 
 
 class ToolEnvironment(Protocol):
@@ -53,6 +59,10 @@ class ToolEnvironment(Protocol):
     def system_prompt(self) -> str: ...
 
     def task_prompt(self) -> str: ...
+
+    def max_turns(self) -> int | None:
+        """The task's own turn limit (a long task's), or None: the harness's."""
+        ...
 
     def tools(self) -> list[dict[str, Any]]:
         """The tools it offers, as OpenAI function tools."""
@@ -76,6 +86,10 @@ class HarnessConfig:
     top_p: float = 1.0
     context_budget: int = 1024  # tokens in one context before self-summarization
     max_summaries: int = 2
+    # what a context past the budget becomes: "summarize" (the model's summary of its work
+    # opens a fresh one) or "truncate" (the baseline: the oldest turns dropped, the fresh one
+    # opening with the newest results as they were)
+    overflow: Overflow = "summarize"
 
 
 @dataclass(frozen=True)
@@ -305,10 +319,13 @@ class Harness(Generic[W]):
 
     async def _turns(self, env: ToolEnvironment, traj: Trajectory[W], seed: int | None) -> None:
         window = traj.segments[-1]
-        for turn in range(self.config.max_turns):
+        recent: list[str] = []  # the newest turns' calls and results, for "truncate"
+        for turn in range(env.max_turns() or self.config.max_turns):
             if self.model.length(window) > self.config.context_budget \
                     and traj.summaries < self.config.max_summaries:
-                window = await self._summarize(env, traj, seed=_turn_seed(seed, turn, 1))
+                window = await (self._truncate(env, traj, recent)
+                                if self.config.overflow == "truncate"
+                                else self._summarize(env, traj, seed=_turn_seed(seed, turn, 1)))
             said = await self.model.reply(window, self._sampling(_turn_seed(seed, turn, 0)))
             traj.texts.append(said.text)
             traj.turns += 1
@@ -321,7 +338,9 @@ class Harness(Generic[W]):
             if done:
                 traj.ended_by = "finished"
                 return
-            self.model.add_results(window, list(zip(said.calls, observations, strict=False)))
+            results = list(zip(said.calls, observations, strict=False))
+            self.model.add_results(window, results)
+            recent = (recent + [_describe(c, o) for c, o in results])[-KEEP_RESULTS:]
 
     def _sampling(self, seed: int | None) -> Sampling:
         return Sampling(max_tokens=self.config.max_tokens, temperature=self.config.temperature,
@@ -338,6 +357,23 @@ class Harness(Generic[W]):
                                 SUMMARY_PREFIX + summary.text)
         traj.segments.append(fresh)
         return fresh
+
+
+    async def _truncate(self, env: ToolEnvironment, traj: Trajectory[W],
+                        recent: list[str]) -> W:
+        """The baseline to summarizing: a fresh context holding the newest turns' calls and
+        results as they were (the oldest dropped), written by the harness, not the model."""
+        traj.summaries += 1
+        fresh = self.model.open(env.tools(), env.system_prompt(), env.task_prompt(),
+                                TRUNCATED_PREFIX + "\n".join(recent))
+        traj.segments.append(fresh)
+        return fresh
+
+
+def _describe(call: ToolCall, observation: str) -> str:
+    """One call and its result, as the truncation baseline carries them over."""
+    arguments = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+    return f"{call.name}({arguments}) -> {observation}"
 
 
 def _turn_seed(seed: int | None, turn: int, kind: int) -> int | None:

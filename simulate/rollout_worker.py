@@ -276,7 +276,8 @@ class FleetWorker:
             s = job.sampling
             harness = Harness.on_engine(self.engine, HarnessConfig(
                 max_turns=s.max_turns, max_tokens=s.max_tokens, temperature=s.temperature,
-                context_budget=s.context_budget))
+                context_budget=s.context_budget, max_summaries=s.max_summaries,
+                overflow=s.overflow))
             group = await rollout_group(harness, Task.model_validate(job.task),
                                         group_size=job.group_size, cache=self.cache,
                                         seed=job.seed, rewards=job.rewards)

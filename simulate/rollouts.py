@@ -98,6 +98,9 @@ class TaskEnvironment:
     def task_prompt(self) -> str:
         return self.task.starting_file
 
+    def max_turns(self) -> int | None:
+        return self.task.max_turns
+
     def tools(self) -> list[dict[str, Any]]:
         return TOOL_SETS[self.task.tools]
 

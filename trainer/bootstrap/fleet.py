@@ -212,7 +212,9 @@ class RolloutFleet:
                          sampling=RolloutSampling(temperature=cfg.temperature,
                                                   max_tokens=cfg.max_tokens,
                                                   max_turns=cfg.max_turns,
-                                                  context_budget=cfg.context_budget),
+                                                  context_budget=cfg.context_budget,
+                                                  max_summaries=cfg.max_summaries,
+                                                  overflow=cfg.context_overflow),
                          rewards=cfg.rewards)
         self.ledger.issued[job_id] = job
         self._step_of[job_id] = (step, slot)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from simulate.demonstrations import first_call, transcript
+from simulate.demonstrations import first_call, windows
 from simulate.harness import ChatTokens
 from simulate.tasks import Task, split_of
 from trainer.policy import NextTokenLoss, Policy, Rows
@@ -75,13 +75,17 @@ class MidTrainResult:
 
 def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int, batch_size: int,
              lr: float, lr_floor: float = 0.1, seed: int = 0, stop: QualityStop | None = None,
-             progress: bool = False) -> MidTrainResult:
+             progress: bool = False, context_budget: int | None = None,
+             max_summaries: int = 0) -> MidTrainResult:
     """`steps` AdamW steps (fewer if `stop` is reached) of masked next-token loss over shuffled
-    demonstration transcripts; the rate warms up to `lr`, then decays by cosine to `lr_floor` x
-    `lr` (1.0: constant)."""
+    demonstration transcripts, each context window a row (a long task's episode summarizes
+    past `context_budget` as the harness would, at most `max_summaries` times); the rate warms
+    up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0: constant)."""
     from tqdm import tqdm
 
-    corpus = [transcript(chat, t) for t in tasks if t.canonical_solution]
+    corpus = [window for t in tasks if t.demonstrable
+              for window in windows(chat, t, context_budget=context_budget,
+                                    max_summaries=max_summaries)]
     rng = random.Random(seed)
     checked = stop.rows(chat) if stop is not None else None
     result = MidTrainResult(steps=0, final_loss=float("nan"))
@@ -204,6 +208,7 @@ def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
                         steps=cfg.midtrain_steps if steps is None else steps,
                         batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
                         lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed, stop=stop,
-                        progress=progress)
+                        progress=progress, context_budget=cfg.context_budget,
+                        max_summaries=cfg.max_summaries)
     finally:
         torch.set_num_threads(threads)

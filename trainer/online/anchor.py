@@ -64,7 +64,7 @@ class FormatAnchor:
         from simulate.harness import ChatTokens
         from simulate.tasks import build_task_source
 
-        tasks = [t for t in build_task_source(cfg.tasks).split("train") if t.canonical_solution]
+        tasks = [t for t in build_task_source(cfg.tasks).split("train") if t.demonstrable]
         if not tasks:
             raise ValueError("online.anchor: the task source's train split has no task with a "
                              "solution to demonstrate")

@@ -116,7 +116,8 @@ class HeldOutTasksSuite(EvalSuite):
         self.samples, self.seed = cfg.samples_per_task, cfg.seed
         self.harness = HarnessConfig(max_turns=harness.max_turns, max_tokens=harness.max_tokens,
                                      context_budget=harness.context_budget,
-                                     temperature=cfg.temperature)
+                                     max_summaries=harness.max_summaries,
+                                     overflow=harness.overflow, temperature=cfg.temperature)
         self.tolerance, self.confidence = cfg.max_drop_points / 100.0, cfg.confidence
         self.cache = SandboxCache()  # tests are deterministic: reuse verdicts across models
 

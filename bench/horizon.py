@@ -1,0 +1,137 @@
+"""Is self-summarization worth it? GRPO on the long tasks, summarizing against truncating.
+
+From one mid-trained start (the default model mid-trained for `--midtrain-steps` on the
+demonstrations of the long tasks (simulate/package_tasks.py: their train split and practice
+tasks), each summarized where the harness would summarize it), two GRPO runs of
+`--grpo-steps` steps on the long train tasks, at the same context budget and the same step
+count, one per `context_overflow`:
+
+- `summarize`: past the budget the model summarizes its work and goes on from its summary
+  (the summary's tokens are trained with the episode's advantage);
+- `truncate`: the baseline; past the budget the oldest turns are dropped and a fresh context
+  opens with the newest calls and results as they were.
+
+Each is then scored on the held-out long tasks in its own mode: `--samples` episodes per task
+at 0.7. `noise` is 1.96 x the standard error of the difference of the two pass@1 (each a
+binomial over its episodes): a gap below it is not one. `turns_per_episode` and
+`summaries_per_episode` are the summarize run's evaluation episodes'.
+
+    .venv/bin/python bench/horizon.py [--midtrain-steps 600] [--grpo-steps 20] [--samples 4]
+
+Ends with one JSON line: {"bench": "horizon", "summarize_pass_at_1": ..., "truncate_pass_at_1":
+..., "noise": ..., "turns_per_episode": ..., "summaries_per_episode": ..., "truncate_turns_per_
+episode": ..., "held_out_tasks": ..., "midtrain_steps": ..., "grpo_steps": ..., "wall_s": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.settings import Settings  # noqa: E402
+from simulate.tasks import BuiltinTasksConfig, Task  # noqa: E402
+from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
+
+MODES = ("summarize", "truncate")
+TEMPERATURE = 0.7  # the held-out episodes', as the developers' and the eval gate's
+
+
+def score(policy: Any, cfg: BootstrapSettings, tasks: list[Task], *,
+          samples: int) -> dict[str, float]:
+    """pass@1 over `samples` seeded episodes per task at `TEMPERATURE`, and their shape."""
+    from simulate.rollouts import SandboxCache, episode_shape, rollout_group, solved
+    from trainer.bootstrap.local_engine import build_harness, make_engine
+
+    engine = make_engine(policy, cfg, seed=cfg.seed)
+    try:
+        harness = build_harness(engine, cfg, temperature=TEMPERATURE)
+        cache = SandboxCache()
+
+        async def groups() -> list[Any]:
+            return list(await asyncio.gather(*(
+                rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
+                for i, task in enumerate(tasks))))
+
+        episodes = [t for g in asyncio.run(groups()) for t in g.trajectories]
+    finally:
+        engine.close()
+    return {"pass_at_1": sum(solved(t) for t in episodes) / len(episodes),
+            "episodes": len(episodes), **episode_shape(episodes)}
+
+
+def noise(a: float, b: float, n: int) -> float:
+    """1.96 x the standard error of the difference of two pass rates over `n` episodes each."""
+    return 1.96 * math.sqrt((a * (1 - a) + b * (1 - b)) / max(1, n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from simulate.rollouts import SandboxCache, mean_episode_shape
+    from simulate.tasks import build_task_source
+    from trainer.bootstrap.midtrain import midtrain_on
+    from trainer.bootstrap.run import run_grpo
+    from trainer.init_model import init_model
+    from trainer.policy import Policy
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--midtrain-steps", type=int, default=600)
+    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="horizon-"))
+    settings = Settings(data_dir=root)
+    tasks = BuiltinTasksConfig(packages=True, product_fraction=0.0)
+    cfg = settings.bootstrap.model_copy(update={
+        "tasks": tasks, "max_steps": args.grpo_steps, "time_budget_s": None,
+        "keep_best": False, "eval_every": args.grpo_steps})
+    source = build_task_source(tasks)
+    train = [t for t in source.split("train") if t.fixes]
+    practice = [t for t in source.practice_tasks() if t.fixes]
+    held_out = [t for t in source.split("held_out") if t.fixes]
+    base = init_model(settings.model, root / "base")
+
+    started = time.monotonic()
+    policy = Policy.load(base, lr=cfg.midtrain_lr)
+    midtrain_on(policy, cfg, train + practice, steps=args.midtrain_steps, progress=True)
+    start = policy.state_dict()
+    wall = {"midtrain": round(time.monotonic() - started, 1)}
+
+    results: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        began = time.monotonic()
+        mode_cfg = cfg.model_copy(update={"context_overflow": mode})
+        learner = Policy.load(base, lr=cfg.lr)
+        learner.load_weights(start)
+        run = run_grpo(learner, mode_cfg, train, [], cache=SandboxCache(), progress=True,
+                       work_dir=root / mode)
+        results[mode] = score(learner, mode_cfg, held_out, samples=args.samples) | {
+            f"train_{k}": v for k, v in mean_episode_shape(run.history).items()}
+        wall[mode] = round(time.monotonic() - began, 1)
+        print(mode, json.dumps(results[mode]), flush=True)
+
+    summarize, truncate = results["summarize"], results["truncate"]
+    print(json.dumps({
+        "bench": "horizon",
+        "summarize_pass_at_1": round(summarize["pass_at_1"], 4),
+        "truncate_pass_at_1": round(truncate["pass_at_1"], 4),
+        "noise": round(noise(summarize["pass_at_1"], truncate["pass_at_1"],
+                             int(summarize["episodes"])), 4),
+        "turns_per_episode": round(summarize["turns_per_episode"], 2),
+        "summaries_per_episode": round(summarize["summaries_per_episode"], 2),
+        "truncate_turns_per_episode": round(truncate["turns_per_episode"], 2),
+        "held_out_tasks": len(held_out), "midtrain_steps": args.midtrain_steps,
+        "grpo_steps": args.grpo_steps, "wall_s": wall}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
