@@ -3,9 +3,13 @@
 A checkpoint is one directory written whole before anything points at it:
 
     <root>/ckpt-00000042/tensors/    weights and optimizer state, torch.distributed.checkpoint
-    <root>/ckpt-00000042/{state.json, ledger.jsonl}
+    <root>/ckpt-00000042/{state.json, ledger.jsonl, references.json}
     <root>/LATEST                    -> "ckpt-00000042"
-    <root>/refs/<sha256>.pt          the KL reference weights, content-addressed
+    <root>/refs/<sha256>.pt          weights by sha256: the KL reference, the served release's
+
+A checkpoint names the `refs/` it needs (`references.json`: what a resume from it loads);
+once the checkpoints that named a ref are collected, so is the ref (a stashed candidate
+that was refused, a release long replaced).
 
 The tensors are a torch.distributed.checkpoint (DCP) directory: every rank of a sharded
 trainer writes its own shards (one file per rank) and the leader the metadata, so no rank
@@ -29,7 +33,7 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from trainer.distributed import World
 
 POINTER = "LATEST"
+REFERENCES = "references.json"  # in a checkpoint: the refs/ a resume from it loads
 
 
 class CheckpointError(RuntimeError):
@@ -153,11 +158,13 @@ class CheckpointStore:
         return pointer.read_text().strip() or None
 
     def save(self, *, sequence: int, tensors: Mapping[str, Any], state: Mapping[str, Any],
-             ledger: Ledger, world: World | None = None) -> str:
+             ledger: Ledger, world: World | None = None,
+             references: Collection[str] = ()) -> str:
         """Write checkpoint number `sequence` and make it the latest; returns its name.
 
         Every rank calls it with its own shards in `tensors` (a state dict: tensors, DTensors,
-        nested dicts); the leader's `state` and `ledger` are the ones written."""
+        nested dicts); the leader's `state` and `ledger` are the ones written, with the
+        sha256s of the `refs/` a resume from it needs (`references`)."""
         world = world or World()
         name = f"ckpt-{sequence:08d}"
         tmp = self.root / f".tmp-{name}"
@@ -171,6 +178,7 @@ class CheckpointStore:
         if world.leader:  # DCP returns on the leader once every rank's shards are written
             _write_durable(tmp / "state.json", json.dumps(state, sort_keys=True).encode())
             _write_durable(tmp / "ledger.jsonl", ledger.dumps().encode())
+            _write_durable(tmp / REFERENCES, json.dumps(sorted(references)).encode())
             _fsync_path(tmp / "tensors")
             _fsync_path(tmp)
             final = self.root / name
@@ -196,6 +204,19 @@ class CheckpointStore:
             shutil.rmtree(self.root / stale, ignore_errors=True)
         for tmp in self.root.glob(".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
+        self._collect_references(sorted(keep))
+
+    def _collect_references(self, kept: list[str]) -> None:
+        """Remove the refs no kept checkpoint names (none when one predates the list)."""
+        named: set[str] = set()
+        for name in kept:
+            listed = self.root / name / REFERENCES
+            if not listed.exists():
+                return
+            named.update(json.loads(listed.read_text()))
+        for ref in (self.root / "refs").glob("*.pt"):
+            if ref.stem not in named:
+                ref.unlink(missing_ok=True)
 
     def load(self) -> Checkpoint | None:
         """The latest durable checkpoint, or None when there is none yet."""

@@ -87,6 +87,22 @@ def test_old_checkpoints_are_collected(tmp_path: Path) -> None:
     assert (tmp_path / POINTER).read_text() == "ckpt-00000005"
 
 
+def test_a_ref_goes_with_the_last_checkpoint_that_names_it(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for sha in ("a", "b", "c"):
+        store.save_reference(sha, _weights(0))
+    store.save(sequence=1, tensors={"weights": _weights(1)}, state={}, ledger=Ledger(),
+               references={"a", "b"})
+    assert sorted(p.stem for p in (tmp_path / "refs").glob("*.pt")) == ["a", "b"]  # c: none
+    store.save(sequence=2, tensors={"weights": _weights(2)}, state={}, ledger=Ledger(),
+               references={"b"})
+    assert sorted(p.stem for p in (tmp_path / "refs").glob("*.pt")) == ["a", "b"]  # kept: 1
+    store.save(sequence=3, tensors={"weights": _weights(3)}, state={}, ledger=Ledger(),
+               references={"b"})
+    assert sorted(p.stem for p in (tmp_path / "refs").glob("*.pt")) == ["b"]
+    assert store.load_reference("b").keys() == _weights(0).keys()
+
+
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     store.save(sequence=1, tensors={"weights": _weights(1)}, state={"step": 1}, ledger=Ledger())

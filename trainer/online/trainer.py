@@ -156,7 +156,8 @@ class OnlineTrainer:
         base_sha = state_dict_sha256(served.model.state_dict())  # whole, before it is sharded
         reference = copy.deepcopy(served.model)
         store = CheckpointStore(root, keep=cfg.keep_checkpoints)
-        if world.leader:  # what a refusal before the first release goes back to
+        # a first start stashes the base weights: what a refusal goes back to until a release
+        if world.leader and store.latest_name() is None:
             store.save_reference(base_sha, full_state_dict(served.model, World()))
         pad_id = int(model.config.pad_token_id)
         anchor = (FormatAnchor.build(cfg.anchor, tokenizer, pad_id) if cfg.anchor.coef > 0
@@ -296,7 +297,9 @@ class OnlineTrainer:
         return self.store.save(sequence=self.state.sequence,
                                tensors={"weights": weights, "optimizer": optimizer},
                                state=dict(self.state.__dict__), ledger=self.ledger,
-                               world=self.world)
+                               world=self.world, references={
+                                   sha for sha in (self.state.reference_sha256,
+                                                   self.state.served_sha256) if sha})
 
     @collective
     def revert_to_served(self) -> None:
