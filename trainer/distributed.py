@@ -218,7 +218,10 @@ def load_full_state_dict(model: Any, weights: Mapping[str, Any], world: World) -
         model.load_state_dict(weights)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
 
+    if isinstance(model, FSDPModule):  # the root keeps its parameters gathered after a
+        model.reshard()  # forward (for the backward), as a reference's forward leaves them
     set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
 
 

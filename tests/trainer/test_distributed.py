@@ -69,6 +69,28 @@ def _rank(model_dir: str, batches: list[list[ExperienceReady]], out: str,
         leave_world(world)
 
 
+def _refusing_rank(model_dir: str, batches: list[list[ExperienceReady]], out: str) -> None:
+    """One rank of a sharded trainer that hands a candidate over (stashed: the KL anchor from
+    then on), trains on from it, then has it refused: every rank goes back to the served
+    weights, named by the leader."""
+    world = join_world(timeout_s=120, cpu=True)
+    try:
+        trainer = OnlineTrainer.restore(_cfg(), Path(model_dir), Path(out) / "ckpt",
+                                        world=world)
+        if not world.leader:
+            trainer.follow()
+            return
+        served = trainer.state.served_sha256 or ""
+        trainer.step(batches[0])
+        trainer.adopt_stashed(trainer.stash())
+        trainer.step(batches[1])
+        trainer.revert_to_served(served)
+        trainer.export_candidate(Path(out) / "candidate.safetensors")
+        trainer.finish()
+    finally:
+        leave_world(world)
+
+
 @pytest.fixture(scope="module")
 def batches(model_dir: Path) -> list[list[ExperienceReady]]:
     experiences = make_experiences(model_dir, sum(SIZES), seed=5)
@@ -214,6 +236,15 @@ def test_a_release_from_two_ranks_applies_bit_for_bit(two_ranks: Path, model_dir
     apply_delta(live, release.manifest, release.shards.__getitem__)
     assert state_dict_sha256(live) == state_dict_sha256(candidate)
     assert all(torch.equal(live[n], candidate[n]) for n in candidate)
+
+
+@pytest.mark.timeout(300)
+def test_a_refused_candidate_sends_every_rank_back_to_the_served_weights(
+        model_dir: Path, batches: list[list[ExperienceReady]], tmp_path: Path) -> None:
+    launch(2, _refusing_rank, str(model_dir), batches, str(tmp_path), max_restarts=0)
+    base = base_weights(model_dir)
+    candidate = load_candidate(tmp_path / "candidate.safetensors", model_dir)
+    assert all(torch.equal(candidate[n], base[n]) for n in base)
 
 
 @pytest.mark.timeout(300)

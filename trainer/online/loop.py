@@ -259,7 +259,7 @@ class OnlineLoop:
         """The steps since the served release are in no weights now: train on from the served
         weights, and count the cadence from here."""
         state = self.trainer.state
-        self.trainer.revert_to_served()
+        self.trainer.revert_to_served(state.served_sha256 or "")
         state.release_from_step = state.last_release_step = state.step
         state.last_release_wall = time.time()
 

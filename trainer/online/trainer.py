@@ -302,13 +302,19 @@ class OnlineTrainer:
                                                    self.state.served_sha256) if sha})
 
     @collective
-    def revert_to_served(self) -> None:
-        """Back to the release that serves every session (the gate refused a candidate, or
-        its canary rolled it back: training on from its weights would carry its drift into
-        the next one): its weights become the policy's and the KL reference's again, with
-        fresh AdamW moments and the rate warming up again."""
-        self.adopt_stashed(self.state.served_sha256 or "")
-        self.model.load_state_dict(self.reference.state_dict())  # shard for shard (upcast)
+    def revert_to_served(self, sha256: str) -> None:
+        """Back to the release that serves every session, stashed under `sha256` (the gate
+        refused a candidate, or its canary rolled it back: training on from its weights would
+        carry its drift into the next one): its weights become the policy's and the KL
+        reference's again, with fresh AdamW moments and the rate warming up again. (The sha256
+        is an argument, as every phase's input is: the other ranks' state is not the
+        leader's.)"""
+        weights = self.store.load_reference(sha256)
+        load_full_state_dict(self.reference, weights, self.world)
+        self.state.reference_sha256 = sha256
+        dtypes = {name: t.dtype for name, t in self.model.state_dict().items()}
+        load_full_state_dict(self.model, {name: t.to(dtypes[name]) for name, t in
+                                          weights.items()}, self.world)  # the masters: upcast
         self.served.refresh()
         self.optimizer = self._new_optimizer()
         self.state.warmup_from = self.state.step

@@ -55,7 +55,7 @@ def test_a_refused_candidate_sends_the_trainer_back_to_the_served_weights(
     assert not all(torch.equal(t, served[n]) for n, t in trainer.reference.state_dict().items())
     trainer.step(experiences[4:8])
     assert not all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
-    trainer.revert_to_served()
+    trainer.revert_to_served(trainer.state.served_sha256 or "")
     assert all(torch.equal(t, served[n]) for n, t in trainer.model.state_dict().items())
     assert all(torch.equal(t, served[n]) for n, t in trainer.reference.state_dict().items())
     assert trainer.state.reference_sha256 == trainer.state.served_sha256
