@@ -309,7 +309,13 @@ class LiveView:
                         bar.write(release_line(row))
                 published = sum(r["version"] > 0 and r["status"] == "published" for r in rows)
                 bar.n = min(published, self.plan.releases)
-                newest = stats.by_version.get(served)
+                # the newest release is the store's, and counts once the replica serves it:
+                # just promoted, /admin/status still says its parent until the swap is in,
+                # and the parent's sessions ended a run with the newest at 83 of 500
+                newest_version = max((r["version"] for r in rows if r["status"] == "published"),
+                                     default=0)
+                newest = stats.by_version.get(newest_version) if served == newest_version \
+                    else None
                 bar.set_postfix_str(
                     f"v{served} | sessions {stats.sessions} | "
                     + " ".join(f"v{v}:{s.acceptance:.0%}" for v, s in
