@@ -29,7 +29,12 @@ from kafka import (
 from kafka.admin import NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import (
+    CommitFailedError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+)
 from kafka.partitioner.abc import Partitioner
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -330,8 +335,18 @@ class EventConsumer:
         self.dead_letters += send_dead_letters(self._dlq, self.config, letters, self.name)
         return delivered
 
-    def commit(self) -> None:
-        self._consumer.commit()
+    def commit(self) -> bool:
+        """Commit what was polled. False when the group had given the partitions to another
+        member meanwhile (a rebalance, a member too slow between polls: `CommitFailedError`):
+        their records go to their new owner again, as at-least-once delivery allows, and this
+        member goes on with what the group gives it now."""
+        try:
+            self._consumer.commit()
+        except CommitFailedError as exc:
+            log.warning("%s: commit refused, the group moved on (%s): the records since the "
+                        "last commit are delivered again", self.name, exc)
+            return False
+        return True
 
     def pause(self, partitions: set[TopicPartition]) -> None:
         self._consumer.pause(*partitions)

@@ -175,3 +175,31 @@ def test_roundrobin_assignment_deals_a_topics_partitions_out_in_turn(kafka: Kafk
     finally:
         for member in members:
             member.close()
+
+
+def test_a_member_the_group_moved_on_from_commits_nothing_and_gets_its_records_again(
+        kafka: KafkaConfig) -> None:
+    """A member too slow between polls (a rollout batch, say) is dropped by its group: its
+    commit is refused without raising, and the records come again (at least once)."""
+    topic = f"slow-{uuid.uuid4().hex[:6]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    producer = EventProducer(kafka)
+    for i in range(3):
+        producer.send(topic, f"g{i}", feedback(i))
+    producer.flush()
+    producer.close()
+    consumer = EventConsumer(kafka, group_id=f"test-{uuid.uuid4().hex[:6]}",
+                             types={topic: FeedbackReceived}, dlq=None,
+                             max_poll_interval_ms=1000)
+    try:
+        first = drain(consumer, 3)
+        assert len(first) == 3
+        time.sleep(4)  # past max_poll_interval_ms: the heartbeat thread leaves the group
+        assert consumer.commit() is False
+        again = drain(consumer, 3)
+        assert sorted(d.event.event_id for d in again) == ["e0", "e1", "e2"]
+        assert consumer.commit() is True
+    finally:
+        consumer.close()
