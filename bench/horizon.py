@@ -26,7 +26,6 @@ episode": ..., "held_out_tasks": ..., "midtrain_steps": ..., "grpo_steps": ..., 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import sys
@@ -48,22 +47,11 @@ TEMPERATURE = 0.7  # the held-out episodes', as the developers' and the eval gat
 def score(policy: Any, cfg: BootstrapSettings, tasks: list[Task], *,
           samples: int) -> dict[str, float]:
     """pass@1 over `samples` seeded episodes per task at `TEMPERATURE`, and their shape."""
-    from simulate.rollouts import SandboxCache, episode_shape, rollout_group, solved
-    from trainer.bootstrap.local_engine import build_harness, make_engine
+    from simulate.rollouts import SandboxCache, episode_shape, solved
+    from trainer.bootstrap.local_engine import sample_episodes
 
-    engine = make_engine(policy, cfg, seed=cfg.seed)
-    try:
-        harness = build_harness(engine, cfg, temperature=TEMPERATURE)
-        cache = SandboxCache()
-
-        async def groups() -> list[Any]:
-            return list(await asyncio.gather(*(
-                rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
-                for i, task in enumerate(tasks))))
-
-        episodes = [t for g in asyncio.run(groups()) for t in g.trajectories]
-    finally:
-        engine.close()
+    episodes = sample_episodes(policy, cfg, tasks, samples=samples, cache=SandboxCache(),
+                               temperature=TEMPERATURE)
     return {"pass_at_1": sum(solved(t) for t in episodes) / len(episodes),
             "episodes": len(episodes), **episode_shape(episodes)}
 

@@ -1,6 +1,6 @@
 """An engine in the trainer's own process, on a copy of the policy's weights: for held-out
-evaluation (`evaluate`) and the benches' fixed-task measurements (`mean_reward`); rollouts
-for training come from the fleet (trainer/bootstrap/fleet.py).
+evaluation (`evaluate`) and the benches' fixed-task measurements (`mean_reward`,
+`sample_episodes`); rollouts for training come from the fleet (trainer/bootstrap/fleet.py).
 
     engine = make_engine(policy, cfg, seed=0)
     outcomes = evaluate(engine, cfg, tasks, cache)   # one greedy episode per task
@@ -13,7 +13,7 @@ import asyncio
 
 import torch
 
-from ingest.rollout_events import RolloutGroup
+from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from kernels.weights import state_dict_sha256
 from serving.engine import ModelVersion
 from serving.torch_engine import TorchEngine
@@ -50,21 +50,30 @@ def evaluate(engine: TorchEngine, cfg: BootstrapSettings, tasks: list[Task],
     return asyncio.run(run_once(harness, tasks[:cfg.eval_tasks], cache=cache, seed=cfg.seed))
 
 
-def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, samples: int,
-                cache: SandboxCache) -> float:
-    """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
-    the training temperature. Comparing runs on one fixed task list removes the noise of
-    which tasks each run's last steps happened to draw."""
+def sample_episodes(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
+                    samples: int, cache: SandboxCache, temperature: float
+                    ) -> list[RolloutTrajectory]:
+    """`samples` seeded episodes per task of `tasks` at `temperature`, on an engine holding
+    a copy of the policy's weights."""
     engine = make_engine(policy, cfg, seed=cfg.seed)
     try:
-        harness = build_harness(engine, cfg, temperature=cfg.temperature)
+        harness = build_harness(engine, cfg, temperature=temperature)
 
         async def groups() -> list[RolloutGroup]:
             return list(await asyncio.gather(*(
                 rollout_group(harness, task, group_size=samples, cache=cache, seed=i)
                 for i, task in enumerate(tasks))))
 
-        rewards = [t.reward for g in asyncio.run(groups()) for t in g.trajectories]
+        return [t for g in asyncio.run(groups()) for t in g.trajectories]
     finally:
         engine.close()
+
+
+def mean_reward(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *, samples: int,
+                cache: SandboxCache) -> float:
+    """The policy's expected episode reward on `tasks`: `samples` seeded episodes per task at
+    the training temperature. Comparing runs on one fixed task list removes the noise of
+    which tasks each run's last steps happened to draw."""
+    rewards = [t.reward for t in sample_episodes(policy, cfg, tasks, samples=samples,
+                                                 cache=cache, temperature=cfg.temperature)]
     return sum(rewards) / max(1, len(rewards))
