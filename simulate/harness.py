@@ -352,20 +352,18 @@ class Harness(Generic[W]):
         window = traj.segments[-1]
         self.model.add(window, SUMMARIZE_PROMPT)
         summary = await self.model.reply(window, self._sampling(seed))
-        traj.summaries += 1
-        fresh = self.model.open(env.tools(), env.system_prompt(), env.task_prompt(),
-                                SUMMARY_PREFIX + summary.text)
-        traj.segments.append(fresh)
-        return fresh
-
+        return self._reopen(env, traj, SUMMARY_PREFIX + summary.text)
 
     async def _truncate(self, env: ToolEnvironment, traj: Trajectory[W],
                         recent: list[str]) -> W:
         """The baseline to summarizing: a fresh context holding the newest turns' calls and
         results as they were (the oldest dropped), written by the harness, not the model."""
+        return self._reopen(env, traj, TRUNCATED_PREFIX + "\n".join(recent))
+
+    def _reopen(self, env: ToolEnvironment, traj: Trajectory[W], carried: str) -> W:
+        """A fresh context window after the task's opening, carrying `carried` over."""
         traj.summaries += 1
-        fresh = self.model.open(env.tools(), env.system_prompt(), env.task_prompt(),
-                                TRUNCATED_PREFIX + "\n".join(recent))
+        fresh = self.model.open(env.tools(), env.system_prompt(), env.task_prompt(), carried)
         traj.segments.append(fresh)
         return fresh
 
