@@ -36,7 +36,7 @@ bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: $(STAMP)
-	$(BIN)/ruff check app ingest serving trainer kernels simulate tests bench
+	$(BIN)/ruff check app ingest serving trainer kernels simulate tests bench examples
 	$(BIN)/mypy
 
 clean:

@@ -17,8 +17,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from ingest.events import SCHEMA_VERSION, PackedArray, utcnow
 
-# 2: each trajectory's anti-cheat flags; 3: job_id, worker; 4: each trajectory's ended_by
-ROLLOUT_SCHEMA_VERSION: Final = 4
+# 2: each trajectory's anti-cheat flags; 3: job_id, worker; 4: each trajectory's ended_by;
+# 5: the agent episodes dropped and made again, by reason
+ROLLOUT_SCHEMA_VERSION: Final = 5
 
 
 class RolloutTrajectory(BaseModel):
@@ -64,7 +65,7 @@ class RolloutGroup(BaseModel):
     version 1-2 records have neither."""
 
     event: Literal["RolloutGroup"] = "RolloutGroup"
-    schema_version: Literal[1, 2, 3, 4] = ROLLOUT_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = ROLLOUT_SCHEMA_VERSION
     group_id: str = Field(min_length=1, max_length=128)
     task_id: str = Field(min_length=1, max_length=256)
     policy_version: int = Field(ge=0)
@@ -72,6 +73,8 @@ class RolloutGroup(BaseModel):
     created_at: datetime = Field(default_factory=utcnow)
     job_id: str | None = Field(default=None, min_length=1, max_length=128)
     worker: str | None = Field(default=None, max_length=128)
+    # episodes of an agent program dropped and made again, by reason (`simulate.agents`)
+    dropped: dict[str, int] = Field(default_factory=dict)
 
 
 class RolloutSampling(BaseModel):

@@ -40,6 +40,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
+from ingest.rollout_events import RolloutSampling
 from serving.engine import Engine, GenerationRequest, GenerationResult
 from serving.tool_parsers import FORMATS, CallParser, parse_text
 from simulate.rewards import Reward
@@ -90,6 +91,13 @@ class HarnessConfig:
     # opens a fresh one) or "truncate" (the baseline: the oldest turns dropped, the fresh one
     # opening with the newest results as they were)
     overflow: Overflow = "summarize"
+
+    @classmethod
+    def of(cls, sampling: RolloutSampling) -> HarnessConfig:
+        """The harness a rollout job's sampling describes."""
+        return cls(max_turns=sampling.max_turns, max_tokens=sampling.max_tokens,
+                   temperature=sampling.temperature, context_budget=sampling.context_budget,
+                   max_summaries=sampling.max_summaries, overflow=sampling.overflow)
 
 
 @dataclass(frozen=True)

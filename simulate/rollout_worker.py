@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from serving.engine import ModelVersion
 from serving.release_subscriber import ReleaseSubscriber
 from serving.torch_engine import TorchEngine
+from simulate.agents import AgentProgram
 from simulate.harness import Harness, HarnessConfig
 from simulate.rollouts import SandboxCache, rollout_group
 from simulate.sandbox_service import sandbox_runner
@@ -59,6 +60,9 @@ from simulate.tasks import Task
 log = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model/"  # the policy model's config and tokenizer files in the policy store
+# makes one job's group on the worker's engine: the built-in harness in this process
+# (`FleetWorker.harness_group`), or an agent program over the OpenAI API (app/rollouts/)
+GroupMaker = Callable[[RolloutJob], Awaitable[RolloutGroup]]
 
 
 class WorkerOptions(BaseModel):
@@ -75,6 +79,9 @@ class WorkerOptions(BaseModel):
     # a Celery broker (redis://…) whose sandbox fleet runs the tool calls and scoring
     # (simulate/sandbox_service.py); None: the local sandbox
     sandbox_url: str | None = None
+    # the agent program whose episodes the groups are (simulate/agents.py; run by
+    # `python -m app.rollouts.worker`); None: the built-in harness, in this process
+    agent: AgentProgram | None = None
 
 
 class WorkerLaunch(BaseModel):
@@ -144,18 +151,20 @@ def load_policy(store: ArtifactStore, workdir: Path, *, batch_invariant: bool = 
 class FleetWorker:
     """One worker: its own engine on the newest policy version, and (once `join`ed) a member
     of the workers' consumer group. `run` until stopped or preempted; `leave` hands the
-    uncommitted jobs back to the group; `close` ends it all."""
+    uncommitted jobs back to the group; `close` ends it all. `make_group` makes each job's
+    group (default: `harness_group`)."""
 
     def __init__(self, engine: TorchEngine, kafka: KafkaConfig, store: ArtifactStore,
                  options: WorkerOptions, cache: SandboxCache | None = None, *,
                  join: bool = True) -> None:
         self.engine, self.kafka, self.options = engine, kafka, options
         self.cache = cache or SandboxCache(sandbox_runner(options.sandbox_url))
+        self.make_group: GroupMaker = self.harness_group
         self.stats = WorkerStats()
         self.policy = ReleaseSubscriber(engine, kafka, store, topic=kafka.topics.policy,
                                         auto_swap=False, prepare_ahead=True,
                                         poll_timeout_ms=50).start()
-        self._producer = EventProducer(kafka, client_id=options.worker_id)
+        self.producer = EventProducer(kafka, client_id=options.worker_id)
         self._jobs: EventConsumer | None = None
         if join:
             self.join()
@@ -168,7 +177,7 @@ class FleetWorker:
         static = {"group_instance_id": instance_id} if instance_id else {}
         self._jobs = EventConsumer(
             self.kafka, group_id=self.options.group_id or f"{jobs}-workers",
-            types={jobs: RolloutJob}, dlq=self._producer, name=self.options.worker_id,
+            types={jobs: RolloutJob}, dlq=self.producer, name=self.options.worker_id,
             max_poll_records=self.options.groups_in_flight, fetch_max_wait_ms=50,
             # the trainer spreads a step's jobs over consecutive partitions
             # (trainer/bootstrap/fleet.py): dealt out in turn, they split evenly; by range,
@@ -246,7 +255,7 @@ class FleetWorker:
                          ",".join(j.job_id for j in live))
                 return
             log.info("%s: made in %.2fs", self.options.worker_id, time.monotonic() - start)
-            self._producer.deliver(self.kafka.topics.rollouts,
+            self.producer.deliver(self.kafka.topics.rollouts,
                                    [(g.group_id, encode(g)) for g in groups],
                                    timeout_s=self.kafka.delivery_timeout_ms / 1000)
             self.stats.jobs += len(groups)
@@ -268,19 +277,19 @@ class FleetWorker:
         self.stats.wait_s += time.monotonic() - start
         return True
 
+    async def harness_group(self, job: RolloutJob) -> RolloutGroup:
+        """`job`'s group made by the built-in harness on this worker's engine."""
+        harness = Harness.on_engine(self.engine, HarnessConfig.of(job.sampling))
+        return await rollout_group(harness, Task.model_validate(job.task),
+                                   group_size=job.group_size, cache=self.cache, seed=job.seed,
+                                   rewards=job.rewards)
+
     async def _groups(self, jobs: list[RolloutJob], preempt: Callable[[], bool] | None
                       ) -> list[RolloutGroup] | None:
         """The jobs' groups, made at once; None when `preempt()` turned true first (every
         sequence in flight is cancelled: the engine drops them before its next step)."""
         async def one(job: RolloutJob) -> RolloutGroup:
-            s = job.sampling
-            harness = Harness.on_engine(self.engine, HarnessConfig(
-                max_turns=s.max_turns, max_tokens=s.max_tokens, temperature=s.temperature,
-                context_budget=s.context_budget, max_summaries=s.max_summaries,
-                overflow=s.overflow))
-            group = await rollout_group(harness, Task.model_validate(job.task),
-                                        group_size=job.group_size, cache=self.cache,
-                                        seed=job.seed, rewards=job.rewards)
+            group = await self.make_group(job)
             return group.model_copy(update={"group_id": job.job_id, "job_id": job.job_id,
                                             "worker": self.options.worker_id})
         batch = asyncio.gather(*(one(j) for j in jobs))
@@ -296,17 +305,18 @@ class FleetWorker:
     def close(self) -> None:
         self.leave()
         self.policy.stop()
-        self._producer.close()
+        self.producer.close()
         self.engine.close()
 
 
 class LocalWorkers:
-    """`count` workers as processes of this host (`python -m simulate.rollout_worker`), from the
-    `template` options (ids `<worker_id>-<i>`, seeds `seed + i`), each logging to
-    `log_dir/<id>.log`: the worker `flywheel rollout-worker` runs, started for you."""
+    """`count` workers as processes of this host (`python -m <module>`: this one, or
+    `app.rollouts.worker` for an agent program's), from the `template` options (ids
+    `<worker_id>-<i>`, seeds `seed + i`), each logging to `log_dir/<id>.log`: the worker
+    `flywheel rollout-worker` runs, started for you."""
 
     def __init__(self, count: int, kafka: KafkaConfig, store_url: str, template: WorkerOptions,
-                 log_dir: Path) -> None:
+                 log_dir: Path, *, module: str = "simulate.rollout_worker") -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         for i in range(count):
@@ -316,7 +326,7 @@ class LocalWorkers:
             self.logs.append(log_dir / f"{options.worker_id}.log")
             with self.logs[-1].open("ab") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "simulate.rollout_worker", launch.model_dump_json()],
+                    [sys.executable, "-m", module, launch.model_dump_json()],
                     stdout=out, stderr=subprocess.STDOUT))
 
     def check(self) -> None:
@@ -339,14 +349,25 @@ class LocalWorkers:
                 proc.wait()
 
 
-def run_worker(launch: WorkerLaunch, stop: threading.Event) -> WorkerStats:
+def run_worker(launch: WorkerLaunch, stop: threading.Event,
+               groups: Callable[[FleetWorker], contextlib.AbstractContextManager[GroupMaker]]
+               | None = None) -> WorkerStats:
+    """Run one worker until `stop`; `groups` opens the worker's group maker for the run (an
+    agent program's, app/rollouts/worker.py), default the built-in harness."""
     from kernels.delta.store import artifact_store_config, build_artifact_store
 
+    if launch.options.agent is not None and groups is None:
+        raise ValueError("an agent program's worker runs as `python -m app.rollouts.worker` "
+                         "(`flywheel rollout-worker --agent`)")
     store = build_artifact_store(artifact_store_config(launch.store_url))
     worker = FleetWorker.start(launch.kafka, store, launch.options)
-    print(f"READY {launch.options.worker_id} v{worker.engine.version.number}", flush=True)
     try:
-        stats = worker.run(stop)
+        with (groups(worker) if groups is not None
+              else contextlib.nullcontext(worker.harness_group)) as make_group:
+            worker.make_group = make_group
+            print(f"READY {launch.options.worker_id} v{worker.engine.version.number}",
+                  flush=True)
+            stats = worker.run(stop)
     finally:
         worker.close()
     log.info("%s: %d groups, %d obsolete jobs dropped, busy %.1fs, waited %.1fs for weights",

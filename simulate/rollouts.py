@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.events import PackedArray
+from ingest.events import GenerationLogged, PackedArray
 from ingest.rollout_events import RolloutGroup, RolloutTrajectory
 from simulate.harness import Harness, Segment, Trajectory
 from simulate.rewards import (
@@ -234,6 +234,35 @@ def unpack_segments(traj: RolloutTrajectory) -> list[Segment]:
                                 routes=None if routes is None else routes[start:end]))
         start = end
     return segments
+
+
+def episode_segments(records: Sequence[GenerationLogged]) -> list[Segment]:
+    """An episode's generations (in the order served) as training windows: a generation joins
+    the window before it when its prompt starts with that window's tokens exactly (the agent
+    sent back what the model sampled), and opens a window of its own otherwise (a client that
+    re-rendered, summarized or rewrote its history): the sampled tokens are trained as they
+    were sampled either way. A window's routes are its last generation's, which cover it."""
+    segments: list[Segment] = []
+    for record in records:
+        prompt = record.prompt_token_ids.tolist()
+        completion = record.completion_token_ids.tolist()
+        last = segments[-1] if segments else None
+        if last is None or prompt[:len(last)] != last.token_ids:
+            last = Segment()
+            segments.append(last)
+        last.extend(prompt[len(last):])
+        last.extend(completion, model=True, logprobs=record.logprobs.tolist())
+        last.routes = None if record.routed_experts is None else record.routed_experts.unpack()
+    return segments
+
+
+def episode_trajectory(records: Sequence[GenerationLogged], *, task_id: str, reward: float,
+                       flags: list[str]) -> RolloutTrajectory:
+    """One agent episode, from its logged generations, as the learner takes rollouts."""
+    segments = episode_segments(records)
+    return pack_trajectory(Trajectory(
+        task_id=task_id, segments=segments, policy_version=records[0].model_version,
+        reward=reward, turns=len(records), ended_by="finished", flags=flags))
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,13 @@ def test_no_package_imports_upward() -> None:
 # The rooms of a package, with the rooms each may import; a module in no room is the package's
 # core, which imports no room. trainer/: one room per process, around the core every trainer
 # shares (the online trainer imports releases, its sink). app/: the command line starts the
-# API, which enqueues Celery jobs; settings and the SQL tables are the core.
+# API, which enqueues Celery jobs, and the agent rollout workers, which serve the API's model
+# routes to their agents; settings and the SQL tables are the core.
 ROOMS = {
     "trainer": {"trainer.online": {"trainer.release"}, "trainer.bootstrap": set(),
                 "trainer.release": set()},
-    "app": {"app.cli": {"app.api", "app.jobs"}, "app.api": {"app.jobs"}, "app.jobs": set()},
+    "app": {"app.cli": {"app.api", "app.jobs", "app.rollouts"}, "app.api": {"app.jobs"},
+            "app.rollouts": {"app.api"}, "app.jobs": set()},
 }
 
 

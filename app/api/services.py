@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import SecretStr
 from sqlalchemy import Engine as DbEngine
@@ -15,12 +15,21 @@ from app.api.metrics import Metrics
 from app.settings import Settings
 from ingest import join_store
 from ingest.config import KafkaConfig
+from ingest.events import GenerationLogged
 from ingest.log import EventProducer
-from ingest.session_log import SessionLog
 from ingest.sql import open_database
 from serving.canary import ServedVersions
 from serving.engine import Engine
 from serving.live_load import LiveLoad
+
+
+class GenerationLog(Protocol):
+    """Where served generations are logged: `ingest.session_log.SessionLog` (to `sessions`,
+    spooled), or a rollout worker's episodes (app/rollouts/endpoint.py)."""
+
+    def submit(self, event: GenerationLogged) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -40,7 +49,7 @@ class Services:
     tokenizer: object
     started_at: float = field(default_factory=time.monotonic)
     counters: Counters = field(default_factory=Counters)
-    session_log: SessionLog | None = None  # None: completions are produced directly (tests)
+    session_log: GenerationLog | None = None  # None: completions are produced directly (tests)
     metrics: Metrics = field(default_factory=Metrics)
     celery: Any | None = None  # the Celery app release tasks go to; built on first use
     replica: Any | None = None  # serving.release_subscriber.ReleaseSubscriber when running

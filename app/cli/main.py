@@ -5,8 +5,8 @@
     flywheel demo [--data-dir D]                bootstrap, serve, learn from live feedback, JSON
     flywheel join [--data-dir D] [--kafka K]    sessions x feedback -> experiences (ingest/join)
     flywheel train-online [--nproc N]           experiences -> policy updates -> releases
-    flywheel bootstrap [--nproc N] [--kafka K]  mid-training + GRPO on verifiable tasks, JSON
-    flywheel rollout-worker --kafka K --store U  one more rollout worker for a bootstrap's fleet
+    flywheel bootstrap [--nproc N] [--kafka K] [--agent CMD]  mid-training + GRPO, JSON
+    flywheel rollout-worker --kafka K --store U [--agent CMD]  one more rollout worker
     flywheel keys create --user U [--rps R]     an inference key for /v1 (list, revoke KEY_ID)
     flywheel users delete USER [--reason R]     delete one user's untrained data (users deletions)
 
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
 from app.settings import ADMIN_TOKEN_FILE, Settings, absolute, absolute_store_url
+from simulate.agents import BUILTIN_AGENT, AgentProgram
 from trainer.config import ModelFamily
 
 
@@ -162,7 +163,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                                    ("time_budget_s", args.time_budget_s),
                                    ("midtrain_steps", args.midtrain_steps),
                                    ("midtrain_until", args.midtrain_until),
-                                   ("mode", args.mode)) if v is not None}
+                                   ("mode", args.mode),
+                                   ("agent", agent_program(args.agent))) if v is not None}
     cfg = settings.bootstrap.model_copy(update=overrides)
     run_dir = absolute(args.run_dir) if args.run_dir else cfg.run_dir or (
         settings.data_dir / "runs" / time.strftime("bootstrap-%Y%m%d-%H%M%S"))
@@ -212,7 +214,8 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
         summary = run_bootstrap(cfg, Path(model_dir), Path(run_dir), progress=progress,
                                 batch_invariant=batch_invariant, world=world,
                                 trackers=trackers, kafka=KafkaConfig.model_validate_json(
-                                    kafka_json) if kafka_json else None)
+                                    kafka_json) if kafka_json else None,
+                                worker_module="app.rollouts.worker")
     finally:
         leave_world(world)
     if world.leader:
@@ -221,7 +224,21 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
     return 0
 
 
+def agent_program(command: str | None) -> AgentProgram | None:
+    """`--agent`: "builtin" (the built-in harness as a program), or a command line whose
+    words naming files here are made absolute (the agent runs in its workspace)."""
+    if command is None:
+        return None
+    import shlex
+
+    words = BUILTIN_AGENT if command == "builtin" else [
+        str(Path(word).resolve()) if Path(word).is_file() else word
+        for word in shlex.split(command)]
+    return AgentProgram(command=words)
+
+
 def cmd_rollout_worker(args: argparse.Namespace) -> int:
+    from app.rollouts.worker import agent_groups
     from simulate.rollout_worker import WorkerLaunch, host_worker_id, run_worker
 
     settings = _settings(args)
@@ -230,7 +247,8 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
         print("flywheel rollout-worker: give the bootstrap's broker (--kafka or "
               "FLYWHEEL_KAFKA_BOOTSTRAP)", file=sys.stderr)
         return 2
-    cfg = settings.bootstrap
+    cfg = settings.bootstrap.model_copy(update={"agent": agent_program(args.agent)}) \
+        if args.agent else settings.bootstrap
     store = absolute_store_url(args.store) if args.store else cfg.policy_store_url
     if not store:
         print("flywheel rollout-worker: give the bootstrap's policy store (--store or "
@@ -238,11 +256,17 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
         return 2
     options = cfg.worker_options(args.worker_id or host_worker_id(),
                                  batch_invariant=settings.batch_invariant)
-    logging.getLogger("simulate").setLevel(logging.INFO)
-    logging.getLogger("serving").setLevel(logging.INFO)
+    for name in ("simulate", "serving", "app.rollouts"):
+        logging.getLogger(name).setLevel(logging.INFO)
     run_worker(WorkerLaunch(kafka=settings.kafka_config(bootstrap), store_url=store,
-                            options=options), stop_on_signals())
+                            options=options), stop_on_signals(),
+               agent_groups if options.agent is not None else None)
     return 0
+
+
+AGENT_HELP = ("train this agent program's episodes (docs/bootstrap.md: the agent contract), "
+              "run once per episode against an OpenAI endpoint the worker serves; 'builtin': "
+              "the built-in harness as one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "under torchrun, leave it out")
     p.add_argument("--kafka", metavar="SERVERS", help="the fleet's broker (default: "
                    "FLYWHEEL_KAFKA_BOOTSTRAP, else an embedded one for the run)")
+    p.add_argument("--agent", metavar="CMD", help=AGENT_HELP)
     p.set_defaults(func=cmd_bootstrap)
     p = with_common(sub.add_parser("rollout-worker", help="make rollout groups for a bootstrap "
                                    "(jobs from Kafka, policy versions from the store)"))
@@ -300,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="URL", help="the bootstrap's policy store (default: "
                    "FLYWHEEL_BOOTSTRAP__POLICY_STORE_URL)")
     p.add_argument("--worker-id", help="default: <hostname>-<pid>")
+    p.add_argument("--agent", metavar="CMD", help=AGENT_HELP)
     p.set_defaults(func=cmd_rollout_worker)
     p = with_common(sub.add_parser("keys", help="inference keys: create, list, revoke"))
     keys = p.add_subparsers(dest="action", required=True)

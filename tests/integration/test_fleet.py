@@ -5,6 +5,7 @@ ends on the trainer's exact weights."""
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 from ingest.config import KafkaConfig
@@ -14,6 +15,7 @@ from tests.integration.fleet_helpers import (
     assert_each_job_ended_once,
     start_worker,
     wait_for_line,
+    worker_command,
     worker_env,
 )
 
@@ -51,3 +53,30 @@ def test_a_killed_worker_loses_nothing_and_the_survivor_ends_on_the_trainers_wei
                 proc.terminate()
         for proc in workers.values():
             proc.wait(timeout=30)
+
+
+def test_an_agent_programs_worker_makes_the_groups_of_a_bootstrap(
+        kafka: KafkaConfig, learning_model_dir: Path, tmp_path: Path) -> None:
+    """`flywheel rollout-worker --agent builtin`: every episode a process of the built-in
+    harness over the worker's OpenAI endpoint; the run trains on those groups and the worker
+    follows its versions."""
+    store = tmp_path / "policy"
+    training = Training(kafka, learning_model_dir, store, tmp_path / "run", max_steps=2,
+                        time_budget_s=600)
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [*worker_command("agent"), "--agent", "builtin"], stdout=out,
+            stderr=subprocess.STDOUT, env=worker_env(kafka, store, tmp_path / "data"))
+    try:
+        training.thread.start()
+        run = training.finish(timeout_s=600)
+        assert run.steps == 2 and run.fleet["by_worker"] == {"agent": 8}
+        assert run.fleet["agent_episodes_dropped"] == {}
+        sha = state_dict_sha256(training.policy.state_dict())
+        wait_for_line(log, rf"on v{training.policy.version} sha256 {sha}", timeout_s=60)
+        assert "agent ['{python}', '-m', 'simulate.builtin_agent'] against http://127.0.0.1:" \
+            in log.read_text()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from ingest.rollout_events import RewardConfig
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
+from simulate.agents import AgentProgram
 from simulate.tasks import BuiltinTasksConfig, TaskSourceConfig
 
 if TYPE_CHECKING:
@@ -125,6 +126,11 @@ class BootstrapSettings(BaseModel):
     # tool calls and scoring as the Celery sandbox task on the sandbox fleet behind this broker
     # (redis://…; `celery worker -Q flywheel-sandbox` hosts); None: the local sandbox
     sandbox_url: str | None = None
+    # the product's agent program whose episodes GRPO trains on (simulate/agents.py: the
+    # contract): each episode a process of it, on an OpenAI endpoint the worker serves on its
+    # policy version (`flywheel bootstrap --agent CMD`). None: the built-in harness, run in
+    # the workers' processes on token ids
+    agent: AgentProgram | None = None
 
     @model_validator(mode="after")
     def _dual_clip_above_one(self) -> BootstrapSettings:
@@ -151,7 +157,7 @@ class BootstrapSettings(BaseModel):
                              torch_threads=self.torch_threads,
                              prefix_cache_tokens=self.prefix_cache_tokens,
                              batch_invariant=batch_invariant, seed=self.seed,
-                             sandbox_url=self.sandbox_url)
+                             sandbox_url=self.sandbox_url, agent=self.agent)
 
     @property
     def staleness(self) -> int:

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,12 +64,14 @@ class LocalFleet:
 
 @contextlib.contextmanager
 def open_local_fleet(cfg: BootstrapSettings, *, kafka: KafkaConfig | None,
-                     work_dir: Path | None, batch_invariant: bool = False
-                     ) -> Iterator[LocalFleet]:
+                     work_dir: Path | None, batch_invariant: bool = False,
+                     worker_module: str = "simulate.rollout_worker") -> Iterator[LocalFleet]:
     """Over `kafka` (None: an embedded broker, for the run), start `cfg.rollout_workers`
-    worker processes, which wait for the run's first policy snapshot in the store
-    (`cfg.policy_store_url`, or `work_dir`/policy, removed at the end). Opened before
-    mid-training, the workers' start (interpreter, torch, model code) overlaps it."""
+    worker processes (`python -m <worker_module>`: an agent program's workers are
+    `app.rollouts.worker`, which the command line names), which wait for the run's first
+    policy snapshot in the store (`cfg.policy_store_url`, or `work_dir`/policy, removed at
+    the end). Opened before mid-training, the workers' start (interpreter, torch, model code)
+    overlaps it."""
     with contextlib.ExitStack() as stack:
         if kafka is None:
             kafka = KafkaConfig(bootstrap=stack.enter_context(open_broker(None)))
@@ -82,7 +84,7 @@ def open_local_fleet(cfg: BootstrapSettings, *, kafka: KafkaConfig | None,
             stack.callback(shutil.rmtree, work_dir / "policy", ignore_errors=True)
         workers = LocalWorkers(cfg.rollout_workers, kafka, store_url,
                                cfg.worker_options("worker", batch_invariant=batch_invariant),
-                               work_dir)
+                               work_dir, module=worker_module)
         stack.callback(workers.stop)
         yield LocalFleet(kafka, work_dir, store_url, workers)
 
@@ -96,6 +98,8 @@ class Ledger:
     discarded: dict[str, str] = field(default_factory=dict)  # job id -> reason
     duplicates: int = 0  # second copies of an admitted or discarded job's group, dropped
     foreign: int = 0  # groups of jobs this run never issued (another run's), ignored
+    # an agent program's episodes dropped and made again, by reason (admitted groups')
+    dropped_episodes: Counter[str] = field(default_factory=Counter)
 
     def summary(self) -> dict[str, Any]:
         workers: dict[str, int] = defaultdict(int)
@@ -103,7 +107,8 @@ class Ledger:
             workers[worker] += 1
         return {"issued": len(self.issued), "admitted": len(self.admitted),
                 "discarded": len(self.discarded), "duplicates": self.duplicates,
-                "foreign": self.foreign, "by_worker": dict(workers)}
+                "foreign": self.foreign, "by_worker": dict(workers),
+                "agent_episodes_dropped": dict(self.dropped_episodes)}
 
 
 class RolloutFleet:
@@ -245,5 +250,6 @@ class RolloutFleet:
             self._send(step, slot, f"{self.run_id}-{slot}-r{self._reissues}")
             return
         ledger.admitted[job_id] = group.worker or "?"
+        ledger.dropped_episodes.update(group.dropped)
         self.tasks.observe([group])
         self._ready[step].append((slot, group))

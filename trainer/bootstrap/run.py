@@ -282,13 +282,15 @@ def _train(policy: Policy, cfg: BootstrapSettings, fleet: RolloutFleet, run: Grp
 def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
                   progress: bool = True, batch_invariant: bool = False,
                   world: World | None = None, trackers: TrackerSettings | None = None,
-                  kafka: KafkaConfig | None = None) -> dict[str, Any]:
+                  kafka: KafkaConfig | None = None,
+                  worker_module: str = "simulate.rollout_worker") -> dict[str, Any]:
     """Mid-train, measure held-out pass@1, GRPO, measure again; write everything to run_dir.
     `batch_invariant`: trainer and rollout engines run kernels/batch_invariant's ops. Over
     the ranks of `world` the policy is sharded; the leader runs everything else (tasks,
     rollout workers, evals, files), the others follow its training, then return {}. `trackers`:
     where step metrics go besides metrics.jsonl (default: TensorBoard under run_dir). `kafka`:
-    the fleet's broker (default: an embedded one for the run)."""
+    the fleet's broker (default: an embedded one for the run). `worker_module`: what the
+    local rollout workers run (`open_local_fleet`)."""
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(model_dir, lr=cfg.midtrain_lr, world=world,
@@ -298,7 +300,8 @@ def run_bootstrap(cfg: BootstrapSettings, model_dir: Path, run_dir: Path, *,
         return {}
     try:  # the workers start now: their start overlaps mid-training
         with open_local_fleet(cfg, kafka=kafka, work_dir=run_dir,
-                              batch_invariant=batch_invariant) as local:
+                              batch_invariant=batch_invariant,
+                              worker_module=worker_module) as local:
             return _bootstrap(policy, cfg, run_dir, local, progress=progress,
                               trackers=trackers or TrackerSettings())
     finally:

@@ -1,0 +1,178 @@
+"""A product's own coding agent, on the OpenAI Agents SDK, bootstrapped by Flywheel.
+
+    flywheel bootstrap --agent "python examples/agents/coding_agent.py"
+
+This file knows nothing of Flywheel's code: it is an agent as a product would write it (its
+own tools, instructions and loop, the SDK's), plus the few lines the agent contract asks for
+(docs/bootstrap.md): it reads its task, workspace and sampling from the environment the rollout
+worker gives it, talks to the OpenAI endpoint in OPENAI_BASE_URL with the key in OPENAI_API_KEY
+(the SDK's client reads both), and at the end reports its verdict on its session, signed, to
+FLYWHEEL_FEEDBACK_URL. Flywheel logs every model call the SDK makes, trains on those tokens,
+and scores the workspace with the task's tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
+
+# The default tiny model was mid-trained on Flywheel's built-in agent, so these words and tool
+# names are close to its; a product's agent brings its own (and mid-trains on them first).
+INSTRUCTIONS = "Fix solution.py, run the tests, finish."
+WORKSPACE = Path(os.environ["FLYWHEEL_WORKSPACE"])
+TASK = json.loads(Path(os.environ["FLYWHEEL_TASK"]).read_text())
+SAMPLING = json.loads(os.environ["FLYWHEEL_SAMPLING"])
+TEST_TIMEOUT_S = 20
+
+RUNNER = """
+import json, sys
+code, tests, entry = open(sys.argv[1]).read(), open(sys.argv[2]).read(), sys.argv[3]
+namespace = {}
+exec(code, namespace)
+exec(tests, namespace)
+names = [n for n in namespace if n.startswith("test_")] or ["check"]
+passed = 0
+for name in names:
+    try:
+        namespace[name]() if name != "check" else namespace[name](namespace[entry])
+        passed += 1
+    except Exception as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}"[:200])
+print(json.dumps({"passed": passed, "total": len(names)}))
+"""
+
+
+def inside(path: str) -> Path | None:
+    target = (WORKSPACE / path).resolve()
+    return target if target.is_relative_to(WORKSPACE.resolve()) else None
+
+
+def test_run() -> tuple[int, int, str]:
+    """The task's tests on the workspace's solution.py, in a child process: (passed, total,
+    what failed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tests = Path(tmp) / "tests.py"
+        tests.write_text(TASK["tests"])
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", RUNNER, str(WORKSPACE / "solution.py"), str(tests),
+                 TASK["entry_point"]], capture_output=True, text=True, cwd=WORKSPACE,
+                timeout=TEST_TIMEOUT_S).stdout.strip().splitlines()
+        except subprocess.TimeoutExpired:
+            return 0, 1, "the tests timed out"
+    try:
+        counts = json.loads(out[-1])
+    except (IndexError, json.JSONDecodeError):
+        return 0, 1, "\n".join(out[-3:]) or "the solution does not run"
+    return counts["passed"], counts["total"], "\n".join(out[:-1][:2])
+
+
+@function_tool
+def read_file(path: str) -> str:
+    """Read a file."""
+    target = inside(path)
+    if target is None or not target.is_file():
+        return f"error: no such file {path}"
+    return target.read_text(errors="replace")[:2000]
+
+
+@function_tool
+def write_file(path: str, content: str) -> str:
+    """Write a whole file."""
+    target = inside(path)
+    if target is None:
+        return f"error: {path} is outside the workspace"
+    target.write_text(content)
+    return f"wrote {len(content)} characters to {path}"
+
+
+@function_tool
+def apply_edit(path: str, old: str, new: str) -> str:
+    """Replace old with new."""
+    target = inside(path)
+    if target is None or not target.is_file():
+        return f"error: no such file {path}"
+    text = target.read_text()
+    if not old or text.count(old) != 1:
+        return f"error: old text not found once in {path}; nothing changed"
+    target.write_text(text.replace(old, new))
+    return f"edited {path}"
+
+
+@function_tool
+def run_tests() -> str:
+    """Run the tests."""
+    passed, total, failures = test_run()
+    status = "passed" if passed == total else "failed"
+    return f"{status}: {passed}/{total} tests passed\n{failures}".strip()
+
+
+@function_tool
+def finish() -> str:
+    """End the task."""
+    return "finished"
+
+
+async def solve() -> None:
+    client = AsyncOpenAI(max_retries=0, timeout=600)  # OPENAI_BASE_URL, OPENAI_API_KEY
+    agent = Agent(
+        name="coder", instructions=INSTRUCTIONS,
+        model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
+        model_settings=ModelSettings(temperature=SAMPLING["temperature"],
+                                     max_tokens=SAMPLING["max_tokens"]),
+        tools=[read_file, write_file, apply_edit, run_tests, finish],
+        tool_use_behavior={"stop_at_tool_names": ["finish"]})
+    try:
+        await Runner.run(agent, (WORKSPACE / "solution.py").read_text(),
+                         max_turns=SAMPLING["max_turns"],
+                         run_config=RunConfig(tracing_disabled=True))
+    except MaxTurnsExceeded:
+        pass  # out of turns: judged on the workspace as it stands
+
+
+def report_verdict() -> None:
+    """The session's verdict, by this agent's own judge (the tests), signed as a webhook."""
+    passed, total, _ = test_run()
+    event: dict[str, object] = {"event_id": f"verdict-{os.environ['FLYWHEEL_SESSION_ID']}",
+                                "session_id": os.environ["FLYWHEEL_SESSION_ID"],
+                                "source": "coding-agent-example"}
+    if passed == total:
+        event["kind"] = "accept"
+    elif passed:
+        event |= {"kind": "edit_kept", "value": round(passed / total, 4)}
+    else:
+        event["kind"] = "reject"
+    body = json.dumps(event).encode()
+    stamp = int(time.time())
+    mac = hmac.new(os.environ["FLYWHEEL_FEEDBACK_SECRET"].encode(), f"{stamp}.".encode() + body,
+                   hashlib.sha256).hexdigest()
+    httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, timeout=60, headers={
+        "content-type": "application/json",
+        "Flywheel-Signature": f"t={stamp},v1={mac}"}).raise_for_status()
+
+
+if __name__ == "__main__":
+    set_tracing_disabled(True)  # nothing leaves the machine
+    asyncio.run(solve())
+    report_verdict()

@@ -1,0 +1,68 @@
+"""The built-in harness as an agent program: `python -m simulate.builtin_agent`.
+
+What a product's agent does under the contract of `simulate.agents`, done by Flywheel's own
+multi-turn harness over the OpenAI API (`simulate.developers.ChatTurns`, the official client,
+function calling): it reads the task and the job's sampling from its environment, works the
+workspace with the built-in tools (the tests through the local sandbox), judges its session by
+the task's tests as a simulated developer does (`simulate.developers.verdict`), reports that
+verdict signed to the feedback URL, and exits 0. The bootstrap's default rollouts run the same
+harness in the worker's process on token ids (`simulate.harness.EngineTurns`): this program is
+how the fleet runs it as any other agent (`flywheel bootstrap --agent builtin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from ingest.rollout_events import RolloutSampling
+from ingest.signing import SIGNATURE_HEADER, sign
+from simulate.developers import ChatTurns, verdict
+from simulate.harness import Harness, HarnessConfig
+from simulate.rollouts import SandboxCache, TaskEnvironment
+from simulate.tasks import Task
+
+
+async def run_episode(environ: Mapping[str, str]) -> dict[str, Any]:
+    """One episode under the agent contract; returns the verdict it sent."""
+    task = Task.model_validate_json(Path(environ["FLYWHEEL_TASK"]).read_text())
+    sampling = RolloutSampling.model_validate_json(environ["FLYWHEEL_SAMPLING"])
+    session_id = environ["FLYWHEEL_SESSION_ID"]
+    env = TaskEnvironment(task, Path(environ["FLYWHEEL_WORKSPACE"]), SandboxCache())
+    async with openai.AsyncOpenAI(base_url=environ["OPENAI_BASE_URL"],
+                                  api_key=environ["OPENAI_API_KEY"], max_retries=0,
+                                  timeout=600) as client:
+        turns = ChatTurns(client, session_id=session_id, user=session_id)
+        trajectory = await Harness(turns, HarnessConfig.of(sampling)).run(
+            env, task_id=task.task_id, seed=int(environ["FLYWHEEL_SEED"]))
+    result = await asyncio.to_thread(env.test_result)
+    kind, value = verdict((result.tests_passed or 0) / max(1, result.tests_total or 0),
+                          trajectory.flags)
+    event: dict[str, Any] = {"event_id": f"verdict-{session_id}", "session_id": session_id,
+                             "kind": kind, "source": "builtin-agent"}
+    if value is not None:
+        event["value"] = value
+    body = json.dumps(event).encode()
+    async with httpx.AsyncClient(timeout=60) as http:
+        reply = await http.post(environ["FLYWHEEL_FEEDBACK_URL"], content=body, headers={
+            "content-type": "application/json",
+            SIGNATURE_HEADER: sign(environ["FLYWHEEL_FEEDBACK_SECRET"], None, body)})
+        reply.raise_for_status()
+    return event
+
+
+def main() -> int:
+    asyncio.run(run_episode(os.environ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
