@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 AGENT_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "FLYWHEEL_SESSION_ID", "FLYWHEEL_TASK",
              "FLYWHEEL_WORKSPACE", "FLYWHEEL_SAMPLING", "FLYWHEEL_SEED", "FLYWHEEL_FEEDBACK_URL",
@@ -43,14 +43,20 @@ AGENT_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "FLYWHEEL_SESSION_ID", "FLYWHE
 # why an episode was dropped (and made again): counted per reason in the group and the run
 DropReason = Literal["crashed", "deadline", "no_verdict", "forged_verdict", "flood",
                      "temperature", "no_generations"]
-BUILTIN_AGENT = ["{python}", "-m", "simulate.builtin_agent"]  # the built-in harness as one
+# the built-in harness as an agent program: a command, and the same as an entry point
+BUILTIN_AGENT = ["{python}", "-m", "simulate.builtin_agent"]
+BUILTIN_ENTRY_POINT = "simulate.builtin_agent:main"
 
 
 class AgentProgram(BaseModel):
-    """The agent program a rollout worker runs once per episode, and its walls."""
+    """The agent program a rollout worker runs once per episode, and its walls: a command
+    (a process started per episode), or a Python entry point (`package.module:function` or
+    `path/to/file.py:function`) that a warm host imports once and forks per episode
+    (simulate/agent_host.py: the same walls, without an interpreter's start each time)."""
 
     # argv; "{python}" stands for the worker's interpreter (its virtual environment)
-    command: list[str] = Field(min_length=1)
+    command: list[str] | None = Field(default=None, min_length=1)
+    entry_point: str | None = Field(default=None, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
     deadline_s: float = Field(default=300.0, gt=0)  # wall clock, start to exit
     # model requests one episode may make (a flood past it is refused, the episode dropped)
     max_requests: int = Field(default=64, ge=1)
@@ -62,5 +68,14 @@ class AgentProgram(BaseModel):
     # ("tests"), or the agent's own verdict through the feedback reward map ("verdict")
     reward: Literal["tests", "verdict"] = "tests"
 
+    @model_validator(mode="after")
+    def _one_way_to_start(self) -> AgentProgram:
+        if (self.command is None) == (self.entry_point is None):
+            raise ValueError("an agent program is a command or an entry point: give one")
+        return self
+
     def argv(self, python: str) -> list[str]:
+        """The command, or the warm host's for the entry point."""
+        if self.command is None:
+            return [python, "-m", "simulate.agent_host", str(self.entry_point)]
         return [python if part == "{python}" else part for part in self.command]

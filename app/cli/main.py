@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
 from app.settings import ADMIN_TOKEN_FILE, Settings, absolute, absolute_store_url
-from simulate.agents import BUILTIN_AGENT, AgentProgram
+from simulate.agents import BUILTIN_ENTRY_POINT, AgentProgram
 from trainer.config import ModelFamily
 
 
@@ -225,16 +225,23 @@ def bootstrap_rank(cfg_json: str, model_dir: str, run_dir: str, progress: bool,
 
 
 def agent_program(command: str | None) -> AgentProgram | None:
-    """`--agent`: "builtin" (the built-in harness as a program), or a command line whose
-    words naming files here are made absolute (the agent runs in its workspace)."""
+    """`--agent`: "builtin" (the built-in harness, as an entry point), an entry point
+    (`package.module:function` or `file.py:function`, forked per episode from a warm host), or
+    a command line started per episode; file names here are made absolute (an agent runs in
+    its workspace)."""
     if command is None:
         return None
     import shlex
 
-    words = BUILTIN_AGENT if command == "builtin" else [
-        str(Path(word).resolve()) if Path(word).is_file() else word
-        for word in shlex.split(command)]
-    return AgentProgram(command=words)
+    if command == "builtin":
+        return AgentProgram(entry_point=BUILTIN_ENTRY_POINT)
+    target, colon, function = command.rpartition(":")
+    if colon and " " not in command and function.isidentifier():
+        if target.endswith(".py"):
+            target = str(Path(target).resolve())
+        return AgentProgram(entry_point=f"{target}:{function}")
+    return AgentProgram(command=[str(Path(word).resolve()) if Path(word).is_file() else word
+                                 for word in shlex.split(command)])
 
 
 def cmd_rollout_worker(args: argparse.Namespace) -> int:
@@ -264,9 +271,10 @@ def cmd_rollout_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-AGENT_HELP = ("train this agent program's episodes (docs/bootstrap.md: the agent contract), "
-              "run once per episode against an OpenAI endpoint the worker serves; 'builtin': "
-              "the built-in harness as one")
+AGENT_HELP = ("train this agent program's episodes (docs/bootstrap.md: the agent contract) "
+              "against an OpenAI endpoint the worker serves: a command started per episode, "
+              "or MODULE:FUNCTION / FILE.py:FUNCTION forked per episode from a warm host; "
+              "'builtin': the built-in harness as one")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,11 +2,13 @@
 
 Each episode (`AgentGroups.episode`) gets a fresh session, key and verdict secret on the
 worker's endpoint (app/rollouts/endpoint.py), a workspace holding the task's files and a task
-file beside it, and starts the program (`simulate.agents.AgentProgram`) with the contract's
-environment (`simulate.agents.AGENT_ENV`, plus PATH, LANG, PYTHONPATH and a HOME of its own,
-nothing else of the worker's). Its walls: its own process group, killed whole at the deadline
-or when the episode ends; address space and CPU seconds by rlimit; its output kept only as a
-bounded tail for the log; its request budget on the endpoint. It does not get a network
+file beside it, and runs the program (`simulate.agents.AgentProgram`: a command started per
+episode, or an entry point forked per episode from its warm host, app/rollouts/warm_host.py)
+with the contract's environment (`simulate.agents.AGENT_ENV`, plus PATH, LANG, PYTHONPATH
+and a HOME of its own, nothing else of the worker's). Its walls: its own process group,
+killed whole at the deadline or when the episode ends; address space and CPU seconds by
+rlimit; its output kept only as a bounded tail for the log; its request budget on the
+endpoint. It does not get a network
 namespace of its own, as the sandbox's jobs do: it must reach the endpoint on loopback.
 
 The episode is dropped, counted by reason, and made again (up to `attempts` times) when the
@@ -34,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 from app.rollouts.endpoint import Episode, RolloutEndpoint
+from app.rollouts.warm_host import WarmHost
 from ingest.config import RewardMap
 from ingest.feedback_rewards import reward_for
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutTrajectory
@@ -57,6 +60,10 @@ class AgentGroups:
                  workdir: Path) -> None:
         self.program, self.endpoint, self.cache, self.workdir = program, endpoint, cache, workdir
         self.dropped: Counter[str] = Counter()  # over the worker's life
+        # an entry point's episodes are forked by one warm host (simulate/agent_host.py)
+        self.host = WarmHost(program.argv(sys.executable),
+                             {name: os.environ[name] for name in PASSED_THROUGH
+                              if name in os.environ})
 
     async def group(self, job: RolloutJob) -> RolloutGroup:
         """`job`'s group: `group_size` episodes at once, each made again until it counts."""
@@ -112,7 +119,7 @@ class AgentGroups:
 
     async def _run(self, episode: Episode, root: Path, job: RolloutJob, seed: int
                    ) -> DropReason | None:
-        """Start the program and wait for it; "crashed" or "deadline", or None (exit 0)."""
+        """Run the program's episode and wait for it; "crashed" or "deadline", or None."""
         program = self.program
         environ = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
         environ |= {
@@ -126,6 +133,25 @@ class AgentGroups:
             "FLYWHEEL_SEED": str(seed),
             "FLYWHEEL_FEEDBACK_URL": f"{self.endpoint.base_url}/v1/feedback",
             "FLYWHEEL_FEEDBACK_SECRET": episode.secret}
+        if program.entry_point is not None:
+            code = await self.host.run({
+                "episode": episode.session_id, "env": environ, "cwd": str(root / "workspace"),
+                "output": str(root / "output.log"), "memory_mb": program.memory_mb,
+                "cpu_seconds": program.cpu_seconds}, deadline_s=program.deadline_s)
+            tail = _file_tail(root / "output.log", program.output_chars)
+        else:
+            code, tail = await self._process(environ, root / "workspace")
+        if code == 0:
+            return None
+        log.warning("episode %s: the agent %s; its output ends:\n%s", episode.session_id,
+                    f"exited with {code}" if code is not None
+                    else f"ran past its {program.deadline_s:g}s deadline", tail)
+        return "crashed" if code is not None else "deadline"
+
+    async def _process(self, environ: dict[str, str], cwd: Path) -> tuple[int | None, str]:
+        """The command as a process of its own: (its exit code, None past the deadline; the
+        tail of its output)."""
+        program = self.program
 
         def walls() -> None:  # in the child, before exec
             memory = program.memory_mb * 2**20
@@ -133,25 +159,30 @@ class AgentGroups:
             resource.setrlimit(resource.RLIMIT_CPU, (program.cpu_seconds, program.cpu_seconds))
 
         proc = await asyncio.create_subprocess_exec(
-            *program.argv(sys.executable), cwd=root / "workspace", env=environ,
+            *program.argv(sys.executable), cwd=cwd, env=environ,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=walls)
         output = asyncio.create_task(_tail(proc.stdout, program.output_chars))
         try:
-            code = await asyncio.wait_for(proc.wait(), timeout=program.deadline_s)
+            code: int | None = await asyncio.wait_for(proc.wait(), timeout=program.deadline_s)
         except TimeoutError:
             code = None
         finally:
             with contextlib.suppress(ProcessLookupError):  # the whole group, whatever ended it
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-            tail = await output
-        if code == 0:
-            return None
-        log.warning("episode %s: the agent %s; its output ends:\n%s", episode.session_id,
-                    f"exited with {code}" if code is not None
-                    else f"ran past its {program.deadline_s:g}s deadline", tail)
-        return "crashed" if code is not None else "deadline"
+        return code, await output
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def _file_tail(path: Path, limit: int) -> str:
+    if not path.exists() or not limit:
+        return ""
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - limit))
+        return f.read().decode(errors="replace")
 
 
 async def _tail(stream: asyncio.StreamReader | None, limit: int) -> str:

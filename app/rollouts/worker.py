@@ -28,10 +28,14 @@ def agent_groups(worker: FleetWorker) -> Iterator[GroupMaker]:
     assert program is not None
     with tempfile.TemporaryDirectory(prefix="flywheel-agent-") as tmp, RolloutEndpoint.serve(
             worker.engine, worker.producer, worker.kafka, Path(tmp)) as endpoint:
-        log.info("%s: agent %s against %s", worker.options.worker_id, program.command,
+        log.info("%s: agent %s against %s", worker.options.worker_id,
+                 program.entry_point or " ".join(program.argv(sys.executable)),
                  endpoint.base_url)
         groups = AgentGroups(program, endpoint, worker.cache, Path(tmp))
-        yield groups.group
+        try:
+            yield groups.group
+        finally:
+            groups.close()
         log.info("%s: agent episodes dropped and made again: %s", worker.options.worker_id,
                  dict(groups.dropped))
 

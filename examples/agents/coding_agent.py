@@ -1,6 +1,7 @@
 """A product's own coding agent, on the OpenAI Agents SDK, bootstrapped by Flywheel.
 
-    flywheel bootstrap --agent "python examples/agents/coding_agent.py"
+    flywheel bootstrap --agent examples/agents/coding_agent.py:main     # forked per episode
+    flywheel bootstrap --agent "python examples/agents/coding_agent.py"  # a process per episode
 
 This file knows nothing of Flywheel's code: it is an agent as a product would write it (its
 own tools, instructions and loop, the SDK's), plus the few lines the agent contract asks for
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from agents import (
@@ -40,9 +42,6 @@ from openai import AsyncOpenAI
 # The default tiny model was mid-trained on Flywheel's built-in agent, so these words and tool
 # names are close to its; a product's agent brings its own (and mid-trains on them first).
 INSTRUCTIONS = "Fix solution.py, run the tests, finish."
-WORKSPACE = Path(os.environ["FLYWHEEL_WORKSPACE"])
-TASK = json.loads(Path(os.environ["FLYWHEEL_TASK"]).read_text())
-SAMPLING = json.loads(os.environ["FLYWHEEL_SAMPLING"])
 TEST_TIMEOUT_S = 20
 
 RUNNER = """
@@ -63,116 +62,129 @@ print(json.dumps({"passed": passed, "total": len(names)}))
 """
 
 
-def inside(path: str) -> Path | None:
-    target = (WORKSPACE / path).resolve()
-    return target if target.is_relative_to(WORKSPACE.resolve()) else None
+class Episode:
+    """What the rollout worker gave this episode (read when it starts, not at import: a warm
+    host imports this file once and forks it per episode)."""
 
+    def __init__(self) -> None:
+        self.workspace = Path(os.environ["FLYWHEEL_WORKSPACE"]).resolve()
+        self.task = json.loads(Path(os.environ["FLYWHEEL_TASK"]).read_text())
+        self.sampling = json.loads(os.environ["FLYWHEEL_SAMPLING"])
 
-def test_run() -> tuple[int, int, str]:
-    """The task's tests on the workspace's solution.py, in a child process: (passed, total,
-    what failed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tests = Path(tmp) / "tests.py"
-        tests.write_text(TASK["tests"])
+    def inside(self, path: str) -> Path | None:
+        target = (self.workspace / path).resolve()
+        return target if target.is_relative_to(self.workspace) else None
+
+    def test_run(self) -> tuple[int, int, str]:
+        """The task's tests on the workspace's solution.py, in a child process: (passed,
+        total, what failed)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tests = Path(tmp) / "tests.py"
+            tests.write_text(self.task["tests"])
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-c", RUNNER, str(self.workspace / "solution.py"),
+                     str(tests), self.task["entry_point"]], capture_output=True, text=True,
+                    cwd=self.workspace, timeout=TEST_TIMEOUT_S).stdout.strip().splitlines()
+            except subprocess.TimeoutExpired:
+                return 0, 1, "the tests timed out"
         try:
-            out = subprocess.run(
-                [sys.executable, "-c", RUNNER, str(WORKSPACE / "solution.py"), str(tests),
-                 TASK["entry_point"]], capture_output=True, text=True, cwd=WORKSPACE,
-                timeout=TEST_TIMEOUT_S).stdout.strip().splitlines()
-        except subprocess.TimeoutExpired:
-            return 0, 1, "the tests timed out"
-    try:
-        counts = json.loads(out[-1])
-    except (IndexError, json.JSONDecodeError):
-        return 0, 1, "\n".join(out[-3:]) or "the solution does not run"
-    return counts["passed"], counts["total"], "\n".join(out[:-1][:2])
+            counts = json.loads(out[-1])
+        except (IndexError, json.JSONDecodeError):
+            return 0, 1, "\n".join(out[-3:]) or "the solution does not run"
+        return counts["passed"], counts["total"], "\n".join(out[:-1][:2])
+
+    def tools(self) -> list[Any]:
+        """The agent's tools, on this episode's workspace."""
+
+        @function_tool
+        def read_file(path: str) -> str:
+            """Read a file."""
+            target = self.inside(path)
+            if target is None or not target.is_file():
+                return f"error: no such file {path}"
+            return target.read_text(errors="replace")[:2000]
+
+        @function_tool
+        def write_file(path: str, content: str) -> str:
+            """Write a whole file."""
+            target = self.inside(path)
+            if target is None:
+                return f"error: {path} is outside the workspace"
+            target.write_text(content)
+            return f"wrote {len(content)} characters to {path}"
+
+        @function_tool
+        def apply_edit(path: str, old: str, new: str) -> str:
+            """Replace old with new."""
+            target = self.inside(path)
+            if target is None or not target.is_file():
+                return f"error: no such file {path}"
+            text = target.read_text()
+            if not old or text.count(old) != 1:
+                return f"error: old text not found once in {path}; nothing changed"
+            target.write_text(text.replace(old, new))
+            return f"edited {path}"
+
+        @function_tool
+        def run_tests() -> str:
+            """Run the tests."""
+            passed, total, failures = self.test_run()
+            status = "passed" if passed == total else "failed"
+            return f"{status}: {passed}/{total} tests passed\n{failures}".strip()
+
+        @function_tool
+        def finish() -> str:
+            """End the task."""
+            return "finished"
+
+        return [read_file, write_file, apply_edit, run_tests, finish]
+
+    async def solve(self) -> None:
+        client = AsyncOpenAI(max_retries=0, timeout=600)  # OPENAI_BASE_URL, OPENAI_API_KEY
+        agent = Agent(
+            name="coder", instructions=INSTRUCTIONS,
+            model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
+            model_settings=ModelSettings(temperature=self.sampling["temperature"],
+                                         max_tokens=self.sampling["max_tokens"]),
+            tools=self.tools(), tool_use_behavior={"stop_at_tool_names": ["finish"]})
+        try:
+            await Runner.run(agent, (self.workspace / "solution.py").read_text(),
+                             max_turns=self.sampling["max_turns"],
+                             run_config=RunConfig(tracing_disabled=True))
+        except MaxTurnsExceeded:
+            pass  # out of turns: judged on the workspace as it stands
+
+    def report_verdict(self) -> None:
+        """The session's verdict, by this agent's own judge (the tests), signed as a
+        webhook."""
+        passed, total, _ = self.test_run()
+        session = os.environ["FLYWHEEL_SESSION_ID"]
+        event: dict[str, object] = {"event_id": f"verdict-{session}", "session_id": session,
+                                    "source": "coding-agent-example"}
+        if passed == total:
+            event["kind"] = "accept"
+        elif passed:
+            event |= {"kind": "edit_kept", "value": round(passed / total, 4)}
+        else:
+            event["kind"] = "reject"
+        body = json.dumps(event).encode()
+        stamp = int(time.time())
+        mac = hmac.new(os.environ["FLYWHEEL_FEEDBACK_SECRET"].encode(),
+                       f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
+        httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, timeout=60, headers={
+            "content-type": "application/json",
+            "Flywheel-Signature": f"t={stamp},v1={mac}"}).raise_for_status()
 
 
-@function_tool
-def read_file(path: str) -> str:
-    """Read a file."""
-    target = inside(path)
-    if target is None or not target.is_file():
-        return f"error: no such file {path}"
-    return target.read_text(errors="replace")[:2000]
-
-
-@function_tool
-def write_file(path: str, content: str) -> str:
-    """Write a whole file."""
-    target = inside(path)
-    if target is None:
-        return f"error: {path} is outside the workspace"
-    target.write_text(content)
-    return f"wrote {len(content)} characters to {path}"
-
-
-@function_tool
-def apply_edit(path: str, old: str, new: str) -> str:
-    """Replace old with new."""
-    target = inside(path)
-    if target is None or not target.is_file():
-        return f"error: no such file {path}"
-    text = target.read_text()
-    if not old or text.count(old) != 1:
-        return f"error: old text not found once in {path}; nothing changed"
-    target.write_text(text.replace(old, new))
-    return f"edited {path}"
-
-
-@function_tool
-def run_tests() -> str:
-    """Run the tests."""
-    passed, total, failures = test_run()
-    status = "passed" if passed == total else "failed"
-    return f"{status}: {passed}/{total} tests passed\n{failures}".strip()
-
-
-@function_tool
-def finish() -> str:
-    """End the task."""
-    return "finished"
-
-
-async def solve() -> None:
-    client = AsyncOpenAI(max_retries=0, timeout=600)  # OPENAI_BASE_URL, OPENAI_API_KEY
-    agent = Agent(
-        name="coder", instructions=INSTRUCTIONS,
-        model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
-        model_settings=ModelSettings(temperature=SAMPLING["temperature"],
-                                     max_tokens=SAMPLING["max_tokens"]),
-        tools=[read_file, write_file, apply_edit, run_tests, finish],
-        tool_use_behavior={"stop_at_tool_names": ["finish"]})
-    try:
-        await Runner.run(agent, (WORKSPACE / "solution.py").read_text(),
-                         max_turns=SAMPLING["max_turns"],
-                         run_config=RunConfig(tracing_disabled=True))
-    except MaxTurnsExceeded:
-        pass  # out of turns: judged on the workspace as it stands
-
-
-def report_verdict() -> None:
-    """The session's verdict, by this agent's own judge (the tests), signed as a webhook."""
-    passed, total, _ = test_run()
-    event: dict[str, object] = {"event_id": f"verdict-{os.environ['FLYWHEEL_SESSION_ID']}",
-                                "session_id": os.environ["FLYWHEEL_SESSION_ID"],
-                                "source": "coding-agent-example"}
-    if passed == total:
-        event["kind"] = "accept"
-    elif passed:
-        event |= {"kind": "edit_kept", "value": round(passed / total, 4)}
-    else:
-        event["kind"] = "reject"
-    body = json.dumps(event).encode()
-    stamp = int(time.time())
-    mac = hmac.new(os.environ["FLYWHEEL_FEEDBACK_SECRET"].encode(), f"{stamp}.".encode() + body,
-                   hashlib.sha256).hexdigest()
-    httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, timeout=60, headers={
-        "content-type": "application/json",
-        "Flywheel-Signature": f"t={stamp},v1={mac}"}).raise_for_status()
+def main() -> int:
+    """One episode: solve, then report the verdict."""
+    set_tracing_disabled(True)  # nothing leaves the machine
+    episode = Episode()
+    asyncio.run(episode.solve())
+    episode.report_verdict()
+    return 0
 
 
 if __name__ == "__main__":
-    set_tracing_disabled(True)  # nothing leaves the machine
-    asyncio.run(solve())
-    report_verdict()
+    sys.exit(main())

@@ -58,8 +58,8 @@ def test_a_killed_worker_loses_nothing_and_the_survivor_ends_on_the_trainers_wei
 def test_an_agent_programs_worker_makes_the_groups_of_a_bootstrap(
         kafka: KafkaConfig, learning_model_dir: Path, tmp_path: Path) -> None:
     """`flywheel rollout-worker --agent builtin`: every episode a process of the built-in
-    harness over the worker's OpenAI endpoint; the run trains on those groups and the worker
-    follows its versions."""
+    harness (forked from its warm host) over the worker's OpenAI endpoint; the run trains on
+    those groups and the worker follows its versions."""
     store = tmp_path / "policy"
     training = Training(kafka, learning_model_dir, store, tmp_path / "run", max_steps=2,
                         time_budget_s=600)
@@ -75,8 +75,7 @@ def test_an_agent_programs_worker_makes_the_groups_of_a_bootstrap(
         assert run.fleet["agent_episodes_dropped"] == {}
         sha = state_dict_sha256(training.policy.state_dict())
         wait_for_line(log, rf"on v{training.policy.version} sha256 {sha}", timeout_s=60)
-        assert "agent ['{python}', '-m', 'simulate.builtin_agent'] against http://127.0.0.1:" \
-            in log.read_text()
+        assert "agent simulate.builtin_agent:main against http://127.0.0.1:" in log.read_text()
     finally:
         worker.terminate()
         worker.wait(timeout=30)

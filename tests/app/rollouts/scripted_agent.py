@@ -1,7 +1,8 @@
 """A scripted agent program for the agent-rollout tests: `python scripted_agent.py BEHAVIOR
-REPORT_DIR`. It makes two chat completions on the endpoint it is given (the second sending the
-first reply back), writes `solution.py` and reports an accepting verdict on its session, except
-where BEHAVIOR says otherwise; once per REPORT_DIR (a marker file), a misbehaving BEHAVIOR
+REPORT_DIR`, or `main(BEHAVIOR, REPORT_DIR)` from an entry point. It makes two chat
+completions on the endpoint it is given (the second sending the first reply back), writes
+`solution.py` and reports an accepting verdict on its session, except where BEHAVIOR says
+otherwise; once per REPORT_DIR (a marker file), a misbehaving BEHAVIOR
 misbehaves, so that the remade episode then behaves. It writes what it saw to REPORT_DIR."""
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import openai
 
 from ingest.signing import SIGNATURE_HEADER, sign
 
-SESSION = os.environ["FLYWHEEL_SESSION_ID"]
-
 
 def verdict(session_id: str) -> int:
-    body = json.dumps({"event_id": f"v-{SESSION}", "session_id": session_id,
+    body = json.dumps({"event_id": f"v-{session_id}", "session_id": session_id,
                        "kind": "accept"}).encode()
     reply = httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, headers={
         SIGNATURE_HEADER: sign(os.environ["FLYWHEEL_FEEDBACK_SECRET"], None, body)})
@@ -30,6 +29,7 @@ def verdict(session_id: str) -> int:
 
 
 def main(behavior: str, report_dir: Path) -> int:
+    session = os.environ["FLYWHEEL_SESSION_ID"]
     marker = report_dir / f"{behavior}.misbehaved"
     misbehave = not marker.exists()
     marker.touch()
@@ -57,7 +57,7 @@ def main(behavior: str, report_dir: Path) -> int:
         messages.append({"role": "assistant",
                          "content": "I rewrote this turn." if behavior == "rewrite" else text})
         messages.append({"role": "user", "content": "Go on."})
-    (report_dir / f"{SESSION}.json").write_text(json.dumps(seen))
+    (report_dir / f"{session}.json").write_text(json.dumps(seen))
     workspace = Path(os.environ["FLYWHEEL_WORKSPACE"])
     task = json.loads(Path(os.environ["FLYWHEEL_TASK"]).read_text())
     (workspace / "solution.py").write_text(task["prompt"] + task["canonical_solution"])
@@ -70,7 +70,7 @@ def main(behavior: str, report_dir: Path) -> int:
         return 0
     if behavior == "crash":
         raise RuntimeError("the agent crashed")
-    return 0 if verdict(SESSION) == 202 else 3
+    return 0 if verdict(session) == 202 else 3
 
 
 if __name__ == "__main__":

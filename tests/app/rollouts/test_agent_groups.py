@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from app.cli.main import agent_program
 from app.rollouts.agent_groups import AgentFailure, AgentGroups
 from app.rollouts.endpoint import RolloutEndpoint
 from ingest.config import KafkaConfig
@@ -19,7 +20,7 @@ from ingest.log import EventProducer
 from ingest.rollout_events import RolloutJob, RolloutSampling
 from serving.backends import build_engine
 from serving.config import EngineSettings
-from simulate.agents import BUILTIN_AGENT, AgentProgram
+from simulate.agents import BUILTIN_AGENT, BUILTIN_ENTRY_POINT, AgentProgram
 from simulate.rollouts import SandboxCache, unpack_segments
 from tests.conftest import SKILL_TASKS
 
@@ -45,19 +46,40 @@ def job(group_size: int = 2, *, temperature: float = 1.0) -> RolloutJob:
                                                max_turns=2, context_budget=1024))
 
 
-def scripted(behavior: str, reports: Path, **walls: object) -> AgentProgram:
+def scripted(behavior: str, reports: Path, *, warm: bool = False,
+             **walls: object) -> AgentProgram:
+    """The scripted agent as a command, or (`warm`) as an entry point the warm host forks."""
     reports.mkdir(exist_ok=True)
-    return AgentProgram(command=["{python}", SCRIPT, behavior, str(reports)], **walls)
+    if not warm:
+        return AgentProgram(command=["{python}", SCRIPT, behavior, str(reports)], **walls)
+    entry = reports / "entry.py"
+    entry.write_text("from pathlib import Path\n"
+                     "from tests.app.rollouts.scripted_agent import main\n\n\n"
+                     f"def run() -> int:\n    return main({behavior!r}, Path({str(reports)!r}))\n")
+    return AgentProgram(entry_point=f"{entry}:run", **walls)
 
 
-def groups(program: AgentProgram, endpoint: RolloutEndpoint, tmp_path: Path) -> AgentGroups:
-    return AgentGroups(program, endpoint, SandboxCache(), tmp_path)
+Groups = Callable[[AgentProgram], AgentGroups]
+
+
+@pytest.fixture
+def groups(endpoint: RolloutEndpoint, tmp_path: Path) -> Iterator[Groups]:
+    """Makes `AgentGroups` of a program on the endpoint; their warm hosts stop at the end."""
+    made: list[AgentGroups] = []
+
+    def make(program: AgentProgram) -> AgentGroups:
+        made.append(AgentGroups(program, endpoint, SandboxCache(), tmp_path))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
 
 
 def test_an_episode_is_built_from_the_logged_generations_and_scored_on_the_workspace(
-        endpoint: RolloutEndpoint, tmp_path: Path) -> None:
+        groups: Groups, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
-    group = asyncio.run(groups(scripted("well", reports), endpoint, tmp_path).group(job()))
+    group = asyncio.run(groups(scripted("well", reports)).group(job()))
     assert group.dropped == {} and len(group.trajectories) == 2
     for trajectory in group.trajectories:
         # the agent wrote the canonical solution: the task's tests pass on its workspace
@@ -71,9 +93,9 @@ def test_an_episode_is_built_from_the_logged_generations_and_scored_on_the_works
     assert served == trained
 
 def test_a_client_that_rewrites_its_history_trains_on_the_tokens_the_model_sampled(
-        endpoint: RolloutEndpoint, tmp_path: Path) -> None:
+        groups: Groups, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
-    group = asyncio.run(groups(scripted("rewrite", reports), endpoint, tmp_path).group(job(1)))
+    group = asyncio.run(groups(scripted("rewrite", reports)).group(job(1)))
     [trajectory] = group.trajectories
     [seen] = [json.loads(p.read_text()) for p in reports.glob("rollout-*.json")]
     windows = unpack_segments(trajectory)
@@ -87,10 +109,11 @@ def test_a_client_that_rewrites_its_history_trains_on_the_tokens_the_model_sampl
         assert trained == pytest.approx(turn["logprobs"], abs=1e-4)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["process", "warm-host"])
 def test_a_sigkilled_agent_loses_nothing_and_trains_nothing_twice(
-        endpoint: RolloutEndpoint, tmp_path: Path) -> None:
+        groups: Groups, tmp_path: Path, warm: bool) -> None:
     reports = tmp_path / "reports"
-    group = asyncio.run(groups(scripted("sigkill", reports), endpoint, tmp_path).group(job()))
+    group = asyncio.run(groups(scripted("sigkill", reports, warm=warm)).group(job()))
     # the killed episode (one generation made) is dropped and made again; the group holds
     # two whole episodes, two generations each, and nothing of the killed one
     assert group.dropped == {"crashed": 1}
@@ -99,51 +122,69 @@ def test_a_sigkilled_agent_loses_nothing_and_trains_nothing_twice(
 
 
 def test_a_forged_verdict_is_refused_and_its_episode_made_again(
-        endpoint: RolloutEndpoint, tmp_path: Path) -> None:
+        groups: Groups, tmp_path: Path) -> None:
     reports = tmp_path / "reports"
-    group = asyncio.run(groups(scripted("forge", reports), endpoint, tmp_path).group(job()))
+    group = asyncio.run(groups(scripted("forge", reports)).group(job()))
     assert (reports / "forged").read_text() == "403"
     assert group.dropped == {"forged_verdict": 1} and len(group.trajectories) == 2
 
 
-@pytest.mark.parametrize(("behavior", "reason", "walls"), [
-    ("crash", "crashed", {}),
-    ("hang", "deadline", {"deadline_s": 20.0}),
-    ("silent", "no_verdict", {}),
-    ("flood", "flood", {"max_requests": 3}),
-    ("temperature", "temperature", {}),
+@pytest.mark.parametrize(("behavior", "reason", "walls", "warm"), [
+    ("crash", "crashed", {}, False),
+    ("crash", "crashed", {}, True),
+    ("hang", "deadline", {"deadline_s": 20.0}, False),
+    ("hang", "deadline", {"deadline_s": 20.0}, True),
+    ("silent", "no_verdict", {}, False),
+    ("flood", "flood", {"max_requests": 3}, False),
+    ("temperature", "temperature", {}, False),
 ])
 def test_a_misbehaving_episode_is_dropped_by_reason(
-        endpoint: RolloutEndpoint, tmp_path: Path, behavior: str, reason: str,
-        walls: dict[str, object]) -> None:
-    made = groups(scripted(behavior, tmp_path / "reports", **walls), endpoint, tmp_path)
+        groups: Groups, tmp_path: Path, behavior: str, reason: str,
+        walls: dict[str, object], warm: bool) -> None:
+    made = groups(scripted(behavior, tmp_path / "reports", warm=warm, **walls))
     group = asyncio.run(made.group(job(1)))
     assert group.dropped == {reason: 1} and group.trajectories[0].reward == 1.0
     # an agent that never behaves fails the job, saying why
-    always = groups(scripted(behavior, tmp_path / "again", attempts=1, **walls), endpoint,
-                    tmp_path)
+    always = groups(scripted(behavior, tmp_path / "again", warm=warm, attempts=1, **walls))
     with pytest.raises(AgentFailure, match=reason):
         asyncio.run(always.group(job(1)))
 
 
-def test_the_builtin_harness_runs_as_an_agent_program(endpoint: RolloutEndpoint,
-                                                      tmp_path: Path) -> None:
-    program = AgentProgram(command=BUILTIN_AGENT)
+@pytest.mark.parametrize("program", [AgentProgram(command=BUILTIN_AGENT),
+                                     AgentProgram(entry_point=BUILTIN_ENTRY_POINT)],
+                         ids=["process", "warm-host"])
+def test_the_builtin_harness_runs_as_an_agent_program(groups: Groups,
+                                                      tmp_path: Path,
+                                                      program: AgentProgram) -> None:
     assert program.argv(sys.executable)[0] == sys.executable
-    group = asyncio.run(groups(program, endpoint, tmp_path).group(job()))
+    group = asyncio.run(groups(program).group(job()))
     assert group.dropped == {} and len(group.trajectories) == 2
     for trajectory in group.trajectories:
         assert 1 <= trajectory.turns <= 2 and sum(trajectory.loss_mask.unpack()) > 0
 
 
-def test_an_agent_on_the_openai_agents_sdk_makes_a_group(endpoint: RolloutEndpoint,
-                                                         tmp_path: Path) -> None:
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agents" / "coding_agent.py"
+
+
+@pytest.mark.parametrize("program", [AgentProgram(command=["{python}", str(EXAMPLE)]),
+                                     AgentProgram(entry_point=f"{EXAMPLE}:main")],
+                         ids=["process", "warm-host"])
+def test_an_agent_on_the_openai_agents_sdk_makes_a_group(groups: Groups,
+                                                         program: AgentProgram) -> None:
     """The example in examples/agents/: the SDK's own loop and tools, its every model call
     logged and trained, its workspace scored by the task's tests."""
-    example = Path(__file__).resolve().parents[3] / "examples" / "agents" / "coding_agent.py"
-    program = AgentProgram(command=["{python}", str(example)])
-    group = asyncio.run(groups(program, endpoint, tmp_path).group(job()))
+    group = asyncio.run(groups(program).group(job()))
     assert group.dropped == {} and len(group.trajectories) == 2
     for trajectory in group.trajectories:
         assert trajectory.turns >= 1 and sum(trajectory.loss_mask.unpack()) > 0
         assert 0.0 <= trajectory.reward <= 1.0
+
+
+def test_the_agent_flag_names_the_builtin_an_entry_point_or_a_command() -> None:
+    assert agent_program("builtin") == AgentProgram(entry_point=BUILTIN_ENTRY_POINT)
+    assert agent_program("pkg.agent:run") == AgentProgram(entry_point="pkg.agent:run")
+    relative = EXAMPLE.relative_to(Path.cwd())
+    assert agent_program(f"{relative}:main") == AgentProgram(entry_point=f"{EXAMPLE}:main")
+    assert agent_program(f"python {relative} --fast") == AgentProgram(
+        command=["python", str(EXAMPLE), "--fast"])
+    assert agent_program(None) is None
