@@ -24,6 +24,7 @@ killing the episodes still running.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -125,7 +126,12 @@ def serve(function: Callable[[], Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    serve(load_entry_point(argv[0]))
+    function = load_entry_point(argv[0])
+    # what the host holds now stays out of the children's garbage collections: a collection
+    # that walks it would write to every page of it and copy it all into each fork
+    gc.collect()
+    gc.freeze()
+    serve(function)
     return 0
 
 

@@ -19,12 +19,12 @@ import hashlib
 import hmac
 import json
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 from agents import (
@@ -37,12 +37,15 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 # The default tiny model was mid-trained on Flywheel's built-in agent, so these words and tool
 # names are close to its; a product's agent brings its own (and mid-trains on them first).
 INSTRUCTIONS = "Fix solution.py, run the tests, finish."
 TEST_TIMEOUT_S = 20
+# one TLS context for every client (forked per episode from a warm host, each episode reuses
+# it): building one loads the CA bundle, about 17 ms of CPU
+TLS = ssl.create_default_context()
 
 RUNNER = """
 import json, sys
@@ -94,60 +97,15 @@ class Episode:
             return 0, 1, "\n".join(out[-3:]) or "the solution does not run"
         return counts["passed"], counts["total"], "\n".join(out[:-1][:2])
 
-    def tools(self) -> list[Any]:
-        """The agent's tools, on this episode's workspace."""
-
-        @function_tool
-        def read_file(path: str) -> str:
-            """Read a file."""
-            target = self.inside(path)
-            if target is None or not target.is_file():
-                return f"error: no such file {path}"
-            return target.read_text(errors="replace")[:2000]
-
-        @function_tool
-        def write_file(path: str, content: str) -> str:
-            """Write a whole file."""
-            target = self.inside(path)
-            if target is None:
-                return f"error: {path} is outside the workspace"
-            target.write_text(content)
-            return f"wrote {len(content)} characters to {path}"
-
-        @function_tool
-        def apply_edit(path: str, old: str, new: str) -> str:
-            """Replace old with new."""
-            target = self.inside(path)
-            if target is None or not target.is_file():
-                return f"error: no such file {path}"
-            text = target.read_text()
-            if not old or text.count(old) != 1:
-                return f"error: old text not found once in {path}; nothing changed"
-            target.write_text(text.replace(old, new))
-            return f"edited {path}"
-
-        @function_tool
-        def run_tests() -> str:
-            """Run the tests."""
-            passed, total, failures = self.test_run()
-            status = "passed" if passed == total else "failed"
-            return f"{status}: {passed}/{total} tests passed\n{failures}".strip()
-
-        @function_tool
-        def finish() -> str:
-            """End the task."""
-            return "finished"
-
-        return [read_file, write_file, apply_edit, run_tests, finish]
-
     async def solve(self) -> None:
-        client = AsyncOpenAI(max_retries=0, timeout=600)  # OPENAI_BASE_URL, OPENAI_API_KEY
+        client = AsyncOpenAI(max_retries=0, timeout=600,  # OPENAI_BASE_URL, OPENAI_API_KEY
+                             http_client=DefaultAsyncHttpxClient(verify=TLS))
         agent = Agent(
             name="coder", instructions=INSTRUCTIONS,
             model=OpenAIChatCompletionsModel(model="flywheel", openai_client=client),
             model_settings=ModelSettings(temperature=self.sampling["temperature"],
                                          max_tokens=self.sampling["max_tokens"]),
-            tools=self.tools(), tool_use_behavior={"stop_at_tool_names": ["finish"]})
+            tools=TOOLS, tool_use_behavior={"stop_at_tool_names": ["finish"]})
         try:
             await Runner.run(agent, (self.workspace / "solution.py").read_text(),
                              max_turns=self.sampling["max_turns"],
@@ -172,17 +130,88 @@ class Episode:
         stamp = int(time.time())
         mac = hmac.new(os.environ["FLYWHEEL_FEEDBACK_SECRET"].encode(),
                        f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
-        httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, timeout=60, headers={
-            "content-type": "application/json",
-            "Flywheel-Signature": f"t={stamp},v1={mac}"}).raise_for_status()
+        httpx.post(os.environ["FLYWHEEL_FEEDBACK_URL"], content=body, timeout=60, verify=TLS,
+                   headers={"content-type": "application/json",
+                            "Flywheel-Signature": f"t={stamp},v1={mac}"}).raise_for_status()
+
+
+
+# The tools act on the episode this process runs (one per process: a warm host forks one
+# process per episode), set by `main`; defined once, at import, so that a warm host builds
+# their schemas once for every episode.
+CURRENT: list[Episode] = []
+
+
+@function_tool
+def read_file(path: str) -> str:
+    """Read a file."""
+    target = CURRENT[0].inside(path)
+    if target is None or not target.is_file():
+        return f"error: no such file {path}"
+    return target.read_text(errors="replace")[:2000]
+
+
+@function_tool
+def write_file(path: str, content: str) -> str:
+    """Write a whole file."""
+    target = CURRENT[0].inside(path)
+    if target is None:
+        return f"error: {path} is outside the workspace"
+    target.write_text(content)
+    return f"wrote {len(content)} characters to {path}"
+
+
+@function_tool
+def apply_edit(path: str, old: str, new: str) -> str:
+    """Replace old with new."""
+    target = CURRENT[0].inside(path)
+    if target is None or not target.is_file():
+        return f"error: no such file {path}"
+    text = target.read_text()
+    if not old or text.count(old) != 1:
+        return f"error: old text not found once in {path}; nothing changed"
+    target.write_text(text.replace(old, new))
+    return f"edited {path}"
+
+
+@function_tool
+def run_tests() -> str:
+    """Run the tests."""
+    passed, total, failures = CURRENT[0].test_run()
+    status = "passed" if passed == total else "failed"
+    return f"{status}: {passed}/{total} tests passed\n{failures}".strip()
+
+
+@function_tool
+def finish() -> str:
+    """End the task."""
+    return "finished"
+
+
+TOOLS = [read_file, write_file, apply_edit, run_tests, finish]
+
+
+def warm_up() -> None:
+    """What the OpenAI client imports and builds on first use, done at import (once, in a
+    warm host)."""
+    set_tracing_disabled(True)  # nothing leaves the machine
+
+    async def open_and_close() -> None:
+        async with AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="-",
+                               http_client=DefaultAsyncHttpxClient(verify=TLS)) as client:
+            assert client.chat.completions is not None
+
+    asyncio.run(open_and_close())
+
+
+warm_up()
 
 
 def main() -> int:
     """One episode: solve, then report the verdict."""
-    set_tracing_disabled(True)  # nothing leaves the machine
-    episode = Episode()
-    asyncio.run(episode.solve())
-    episode.report_verdict()
+    CURRENT[:] = [Episode()]
+    asyncio.run(CURRENT[0].solve())
+    CURRENT[0].report_verdict()
     return 0
 
 

@@ -71,3 +71,36 @@ def test_a_killed_reaper_still_ends_with_the_job_group_killed(tmp_path: Path) ->
         raise AssertionError("the job outlived its group's kill")
     for f in files:
         f.close()
+
+
+def _zygotes_of(pid: int) -> int:
+    """Zygote processes whose parent is `pid`."""
+    found = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        found += parent == pid and b"--zygote" in cmdline
+    return found
+
+
+def test_a_fork_runs_its_jobs_on_the_zygote_its_parent_warmed() -> None:
+    """An agent episode forked from its warm host (simulate/agent_host.py) uses the host's
+    zygote instead of starting one of its own."""
+    zygote.warm_zygote()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: one job, then how many zygotes it started
+        os.close(read)
+        result = run_sandboxed(SandboxJob(code="def f(x):\n    return x + 1\n",
+                                          tests="def test_0():\n    assert f(1) == 2\n",
+                                          entry_point="f"))
+        os.write(write, json.dumps([result.status, _zygotes_of(os.getpid())]).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        status, started = json.loads(answer.read())
+    os.waitpid(pid, 0)
+    assert (status, started) == ("passed", 0)
