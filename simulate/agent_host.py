@@ -60,10 +60,12 @@ def load_entry_point(entry_point: str) -> Callable[[], Any]:
     return function  # type: ignore[no-any-return]
 
 
-def run_child(function: Callable[[], Any], request: dict[str, Any]) -> None:
-    """In the forked child: become the episode, run it, and never return."""
+def run_child(function: Callable[[], Any], request: dict[str, Any], answers: int) -> None:
+    """In the forked child: become the episode, run it, and never return. It keeps no end of
+    the host's pipes (`answers`: where the host reports)."""
     code = 1
     try:
+        os.close(answers)
         os.setsid()
         out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, 1)
@@ -88,13 +90,13 @@ def run_child(function: Callable[[], Any], request: dict[str, Any]) -> None:
         os._exit(code)
 
 
-def serve(function: Callable[[], Any]) -> None:
-    """Fork an episode per request line on stdin; report pids and exit codes on stdout."""
+def serve(function: Callable[[], Any], answers: int) -> None:
+    """Fork an episode per request line on stdin; report pids and exit codes on the file
+    descriptor `answers`."""
     running: dict[int, str] = {}  # pid -> episode
 
     def say(message: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
+        os.write(answers, (json.dumps(message) + "\n").encode())
 
     pending = b""
     stdin = sys.stdin.fileno()
@@ -110,7 +112,7 @@ def serve(function: Callable[[], Any]) -> None:
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
-                    run_child(function, request)
+                    run_child(function, request, answers)
                 running[pid] = request["episode"]
                 say({"episode": request["episode"], "pid": pid})
         while running:
@@ -126,12 +128,16 @@ def serve(function: Callable[[], Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # the answers go to the real stdout; whatever the agent's module prints (at import, or
+    # an episode before it redirects its own) goes to stderr, the worker's log
+    answers = os.dup(1)
+    os.dup2(2, 1)
     function = load_entry_point(argv[0])
     # what the host holds now stays out of the children's garbage collections: a collection
     # that walks it would write to every page of it and copy it all into each fork
     gc.collect()
     gc.freeze()
-    serve(function)
+    serve(function, answers)
     return 0
 
 

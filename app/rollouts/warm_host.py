@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 HOST_DIED = 255  # an episode's exit code when its host died under it
 
@@ -97,7 +100,11 @@ class WarmHost:
         held (a pid of -1, an exit code of HOST_DIED)."""
         assert proc.stdout is not None
         for line in proc.stdout:
-            answer = json.loads(line)
+            try:
+                answer = json.loads(line)
+            except json.JSONDecodeError:  # not the host's: a stray line, logged
+                log.warning("agent host: %s", line[:500].decode(errors="replace").rstrip())
+                continue
             with self._lock:
                 waiter = self._waiting.get(answer["episode"])
             if waiter is None:

@@ -53,9 +53,12 @@ def scripted(behavior: str, reports: Path, *, warm: bool = False,
     if not warm:
         return AgentProgram(command=["{python}", SCRIPT, behavior, str(reports)], **walls)
     entry = reports / "entry.py"
+    # it prints, at import and in each episode: nothing of it may reach the host's answers
     entry.write_text("from pathlib import Path\n"
-                     "from tests.app.rollouts.scripted_agent import main\n\n\n"
-                     f"def run() -> int:\n    return main({behavior!r}, Path({str(reports)!r}))\n")
+                     "from tests.app.rollouts.scripted_agent import main\n\n"
+                     "print('imported')\n\n\n"
+                     "def run() -> int:\n    print('episode')\n"
+                     f"    return main({behavior!r}, Path({str(reports)!r}))\n")
     return AgentProgram(entry_point=f"{entry}:run", **walls)
 
 
