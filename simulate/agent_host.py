@@ -60,6 +60,14 @@ def load_entry_point(entry_point: str) -> Callable[[], Any]:
     return function  # type: ignore[no-any-return]
 
 
+def set_walls(memory_mb: int, cpu_seconds: int) -> None:
+    """An agent episode's rlimits (`AgentProgram.memory_mb`, `cpu_seconds`), in its process:
+    here for a forked episode, and before exec for a command's."""
+    memory = memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+
+
 def run_child(function: Callable[[], Any], request: dict[str, Any], answers: int) -> None:
     """In the forked child: become the episode, run it, and never return. It keeps no end of
     the host's pipes (`answers`: where the host reports)."""
@@ -71,10 +79,7 @@ def run_child(function: Callable[[], Any], request: dict[str, Any], answers: int
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        memory = int(request["memory_mb"]) * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        cpu = int(request["cpu_seconds"])
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        set_walls(int(request["memory_mb"]), int(request["cpu_seconds"]))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -13,20 +13,17 @@ how the fleet runs it as any other agent (`flywheel bootstrap --agent builtin`).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import ssl
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 
 from ingest.rollout_events import RolloutSampling
-from ingest.signing import SIGNATURE_HEADER, sign
-from simulate.developers import ChatTurns, verdict
+from simulate.developers import ChatTurns, session_verdict, verdict
 from simulate.harness import Harness, HarnessConfig
 from simulate.rollouts import SandboxCache, TaskEnvironment
 from simulate.tasks import Task
@@ -57,8 +54,8 @@ def warm_up() -> None:
 warm_up()
 
 
-async def run_episode(environ: Mapping[str, str]) -> dict[str, Any]:
-    """One episode under the agent contract; returns the verdict it sent."""
+async def run_episode(environ: Mapping[str, str]) -> None:
+    """One episode under the agent contract, ending with the verdict it sends."""
     task = Task.model_validate_json(Path(environ["FLYWHEEL_TASK"]).read_text())
     sampling = RolloutSampling.model_validate_json(environ["FLYWHEEL_SAMPLING"])
     session_id = environ["FLYWHEEL_SESSION_ID"]
@@ -74,17 +71,12 @@ async def run_episode(environ: Mapping[str, str]) -> dict[str, Any]:
     result = await asyncio.to_thread(env.test_result)
     kind, value = verdict((result.tests_passed or 0) / max(1, result.tests_total or 0),
                           trajectory.flags)
-    event: dict[str, Any] = {"event_id": f"verdict-{session_id}", "session_id": session_id,
-                             "kind": kind, "source": "builtin-agent"}
-    if value is not None:
-        event["value"] = value
-    body = json.dumps(event).encode()
+    body, headers = session_verdict(session_id, kind, value, source="builtin-agent",
+                                    secret=environ["FLYWHEEL_FEEDBACK_SECRET"])
     async with httpx.AsyncClient(timeout=60, verify=TLS) as http:
-        reply = await http.post(environ["FLYWHEEL_FEEDBACK_URL"], content=body, headers={
-            "content-type": "application/json",
-            SIGNATURE_HEADER: sign(environ["FLYWHEEL_FEEDBACK_SECRET"], None, body)})
+        reply = await http.post(environ["FLYWHEEL_FEEDBACK_URL"], content=body,
+                                headers=headers)
         reply.raise_for_status()
-    return event
 
 
 def main() -> int:

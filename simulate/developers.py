@@ -156,6 +156,21 @@ def verdict(passed_fraction: float, flags: Sequence[str]) -> tuple[str, float | 
     return "edit_kept", round(passed_fraction, 4)
 
 
+def session_verdict(session_id: str, kind: str, value: float | None, *, source: str,
+                    secret: str | None) -> tuple[bytes, dict[str, str]]:
+    """A verdict on a whole session as `POST /v1/feedback` takes it: the body, and the headers
+    (signed with `secret` where there is one)."""
+    event: dict[str, Any] = {"event_id": f"verdict-{session_id}", "session_id": session_id,
+                             "kind": kind, "source": source}
+    if value is not None:
+        event["value"] = value
+    body = json.dumps(event).encode()
+    headers = {"content-type": "application/json"}
+    if secret is not None:
+        headers[SIGNATURE_HEADER] = sign(secret, None, body)
+    return body, headers
+
+
 def with_noise(kind: str, value: float | None, flip: bool) -> tuple[str, float | None]:
     """A misjudgment: accept <-> reject, a partial edit kept whole or thrown away."""
     if not flip:
@@ -280,15 +295,8 @@ class DeveloperPopulation:
         return outcome
 
     async def send_feedback(self, http: httpx.AsyncClient, outcome: SessionOutcome) -> None:
-        event: dict[str, Any] = {"event_id": f"verdict-{outcome.session_id}",
-                                 "session_id": outcome.session_id, "kind": outcome.kind,
-                                 "source": "simulated-developer"}
-        if outcome.value is not None:
-            event["value"] = outcome.value
-        body = json.dumps(event).encode()
-        headers = {"content-type": "application/json"}
-        if self.secret is not None:
-            headers[SIGNATURE_HEADER] = sign(self.secret, None, body)
+        body, headers = session_verdict(outcome.session_id, outcome.kind, outcome.value,
+                                        source="simulated-developer", secret=self.secret)
         try:
             (await http.post("/v1/feedback", content=body, headers=headers)).raise_for_status()
         except httpx.HTTPError:

@@ -8,8 +8,8 @@ with the contract's environment (`simulate.agents.AGENT_ENV`, plus PATH, LANG, P
 and a HOME of its own, nothing else of the worker's). Its walls: its own process group,
 killed whole at the deadline or when the episode ends; address space and CPU seconds by
 rlimit; its output kept only as a bounded tail for the log; its request budget on the
-endpoint. It does not get a network
-namespace of its own, as the sandbox's jobs do: it must reach the endpoint on loopback.
+endpoint. It does not get a network namespace of its own, as the sandbox's jobs do: it must
+reach the endpoint on loopback.
 
 The episode is dropped, counted by reason, and made again (up to `attempts` times) when the
 program exits non-zero or is killed ("crashed"), passes its deadline ("deadline"), exits
@@ -27,12 +27,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
 import signal
 import sys
 import tempfile
 import uuid
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 from app.rollouts.endpoint import Episode, RolloutEndpoint
@@ -40,6 +40,7 @@ from app.rollouts.warm_host import WarmHost
 from ingest.config import RewardMap
 from ingest.feedback_rewards import reward_for
 from ingest.rollout_events import RolloutGroup, RolloutJob, RolloutTrajectory
+from simulate.agent_host import set_walls
 from simulate.agents import AgentProgram, DropReason
 from simulate.rollouts import SandboxCache, TaskEnvironment, episode_trajectory
 from simulate.tasks import Task
@@ -61,9 +62,8 @@ class AgentGroups:
         self.program, self.endpoint, self.cache, self.workdir = program, endpoint, cache, workdir
         self.dropped: Counter[str] = Counter()  # over the worker's life
         # an entry point's episodes are forked by one warm host (simulate/agent_host.py)
-        self.host = WarmHost(program.argv(sys.executable),
-                             {name: os.environ[name] for name in PASSED_THROUGH
-                              if name in os.environ})
+        self.host = WarmHost(program.argv(sys.executable), _passed_through()) \
+            if program.entry_point is not None else None
 
     async def group(self, job: RolloutJob) -> RolloutGroup:
         """`job`'s group: `group_size` episodes at once, each made again until it counts."""
@@ -121,8 +121,7 @@ class AgentGroups:
                    ) -> DropReason | None:
         """Run the program's episode and wait for it; "crashed" or "deadline", or None."""
         program = self.program
-        environ = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
-        environ |= {
+        environ = _passed_through() | {
             "HOME": str(root / "home"),
             "OPENAI_BASE_URL": f"{self.endpoint.base_url}/v1",
             "OPENAI_API_KEY": episode.key,
@@ -133,7 +132,7 @@ class AgentGroups:
             "FLYWHEEL_SEED": str(seed),
             "FLYWHEEL_FEEDBACK_URL": f"{self.endpoint.base_url}/v1/feedback",
             "FLYWHEEL_FEEDBACK_SECRET": episode.secret}
-        if program.entry_point is not None:
+        if self.host is not None:
             code = await self.host.run({
                 "episode": episode.session_id, "env": environ, "cwd": str(root / "workspace"),
                 "output": str(root / "output.log"), "memory_mb": program.memory_mb,
@@ -152,16 +151,11 @@ class AgentGroups:
         """The command as a process of its own: (its exit code, None past the deadline; the
         tail of its output)."""
         program = self.program
-
-        def walls() -> None:  # in the child, before exec
-            memory = program.memory_mb * 2**20
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-            resource.setrlimit(resource.RLIMIT_CPU, (program.cpu_seconds, program.cpu_seconds))
-
         proc = await asyncio.create_subprocess_exec(
             *program.argv(sys.executable), cwd=cwd, env=environ,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=walls)
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=partial(set_walls, program.memory_mb, program.cpu_seconds))
         output = asyncio.create_task(_tail(proc.stdout, program.output_chars))
         try:
             code: int | None = await asyncio.wait_for(proc.wait(), timeout=program.deadline_s)
@@ -174,7 +168,13 @@ class AgentGroups:
         return code, await output
 
     def close(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
+
+
+def _passed_through() -> dict[str, str]:
+    """What an agent gets of the worker's environment (`PASSED_THROUGH`)."""
+    return {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
 
 
 def _file_tail(path: Path, limit: int) -> str:
