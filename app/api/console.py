@@ -2,8 +2,9 @@
 
 `ConsoleFeeds` is held by `Services` and started on first use: a `RewardTally` following
 `experiences` (live acceptance and mean reward per served version), an `OffsetProbe` (the
-join's lag per partition, refreshed by a thread of its own so that a `/metrics` scrape never
-waits on the broker; what the join has produced for the trainer), and the delta size of each
+join's lag per partition and what the join has produced for the trainer, both read by a thread
+of its own, so that neither a `/metrics` scrape nor the console's route waits on the broker or
+fails when it is slow), and the delta size of each
 release, read once from its manifest in the artifact store. `snapshot` puts them
 together with the session-log spool and the webhook refusals from the app's metrics.
 """
@@ -52,6 +53,7 @@ class ConsoleFeeds:
         self._probe: OffsetProbe | None = None
         self._delta_bytes: dict[int, int | None] = {}
         self._lag: list[PartitionLag] = []
+        self._produced = 0  # records on `experiences`, as last read
         self._lag_read = threading.Event()  # set once the lag was read
         self._lag_thread: threading.Thread | None = None
         self._starting = threading.Lock()
@@ -75,14 +77,18 @@ class ConsoleFeeds:
         (the console's route); a scrape of `/metrics` takes what there is."""
         with self._starting:  # not self._lock, which the thread holds while it asks
             if self._lag_thread is None:
-                self._lag_thread = threading.Thread(target=self._follow_lag, name="join-lag",
+                self._lag_thread = threading.Thread(target=self._follow_log, name="join-lag",
                                                     daemon=True)
                 self._lag_thread.start()
         if wait:
             self._lag_read.wait(timeout=self.kafka.request_timeout_ms / 1000)
         return self._lag
 
-    def _follow_lag(self) -> None:
+    def experiences_produced(self) -> int:
+        """Records the join has written to `experiences`, as last read with the lag."""
+        return self._produced
+
+    def _follow_log(self) -> None:
         from ingest.log import BrokerError
 
         topics = [self.kafka.topics.sessions, self.kafka.topics.feedback]
@@ -90,14 +96,12 @@ class ConsoleFeeds:
             try:
                 with self._lock:
                     self._lag = self.probe().group_lag(self.settings.join.group_id, topics)
+                    self._produced = sum(
+                        self.probe().end_offsets(self.kafka.topics.experiences).values())
                 self._lag_read.set()
             except (BrokerError, OSError) as exc:  # the broker is away: keep the last reading
                 log.warning("join lag unavailable: %s", exc)
             self._stop.wait(LAG_EVERY_S)
-
-    def experiences_produced(self) -> int:
-        with self._lock:
-            return sum(self.probe().end_offsets(self.kafka.topics.experiences).values())
 
     def delta_bytes(self, releases: list[tuple[int, str | None]]) -> dict[str, int | None]:
         """Bytes of each release's delta from its manifest (None: the base, or unreadable)."""

@@ -15,7 +15,8 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 
 
 @router.get("/status", response_model=StatusResponse, responses=error_responses(401))
-async def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
+def admin_status(services: ServicesDep, _: AdminDep) -> StatusResponse:
+    # a def: the trainer's status is a SQL read, which must not hold up the event loop
     version = services.engine.version
     return StatusResponse(
         profile=services.settings.profile, model_version=version.number,

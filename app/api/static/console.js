@@ -198,14 +198,17 @@ function drawTrainer(trainer, produced) {
 async function act(path, body, outcome, describe) {
   outcome.textContent = "…";
   outcome.className = "outcome";
+  let answer;
   try {
-    outcome.textContent = describe(await api(path, "POST", body));
-    await refresh();
+    answer = await api(path, "POST", body);
   } catch (err) {
     if (err instanceof Unauthorized) return signOut(err.message);
     outcome.textContent = err.message;
     outcome.className = "outcome error";
+    return;
   }
+  outcome.textContent = describe(answer);
+  await update();  // the action's outcome stands, whatever the page's refresh meets
 }
 
 async function refresh() {
@@ -245,14 +248,23 @@ async function refresh() {
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
-async function poll() {
+// One refresh; false when the token was refused (signed out). A failure shows beside the
+// time of the last update, and the next poll tries again.
+async function update() {
   try {
     await refresh();
   } catch (err) {
-    if (err instanceof Unauthorized) return signOut(err.message);
+    if (err instanceof Unauthorized) {
+      signOut(err.message);
+      return false;
+    }
     $("updated").textContent = `update failed: ${err.message}`;
   }
-  timer = setTimeout(poll, POLL_MS);
+  return true;
+}
+
+async function poll() {
+  if (await update()) timer = setTimeout(poll, POLL_MS);
 }
 
 function signOut(message = "") {
