@@ -9,7 +9,9 @@ the request body's `user` says.
 `KeyCheck` answers per request from memory: a key's row is read from SQL at most once per
 `RECHECK_S` (so a revoked key stops working within that, on every replica sharing the
 database), and a key with a rate limit has a token bucket in this process (a limit per API
-replica) answered with 429 and `Retry-After`.
+replica) answered with 429 and `Retry-After`. Any `KeyChecker` can stand in for it: the
+rollout worker's endpoint (app/rollouts/endpoint.py) checks its episodes' keys, which live as
+long as their episode, from memory with no table.
 
     key, secret = create_key(db, user_id="u-17", rps=5.0)   # the admin API, the CLI
     caller = checker.check(authorization_header)             # ApiKeyError: 401 or 429
@@ -24,6 +26,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from sqlalchemy import Engine
 from sqlmodel import Session, select
@@ -61,14 +64,14 @@ def create_key(db: Engine, *, user_id: str, rps: float | None = None,
                label: str | None = None, private: bool = False) -> tuple[ApiKey, str]:
     """A new key for `user_id` (`private`: every request in privacy mode): its row and the
     whole key, which nothing keeps."""
-    key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+    key_id, secret, key = new_key()
     row = ApiKey(key_id=key_id, secret_sha256=secret_sha256(secret), user_id=user_id, rps=rps,
                  label=label, private=private)
     with Session(db) as session:
         session.add(row)
         session.commit()
         session.refresh(row)
-    return row, f"{PREFIX}{key_id}.{secret}"
+    return row, key
 
 
 def list_keys(db: Engine) -> list[ApiKey]:
@@ -96,6 +99,28 @@ def parse_key(key: str) -> tuple[str, str] | None:
         return None
     key_id, _, secret = key[len(PREFIX):].partition(".")
     return (key_id, secret) if key_id and secret else None
+
+
+def bearer_key(authorization: str | None) -> tuple[str, str] | None:
+    """(key_id, secret) of an `Authorization: Bearer <key>` header's well-formed key, None for
+    a malformed key; ApiKeyError (401) when the header carries no bearer key at all."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiKeyError(401, "an inference key is required: Authorization: Bearer "
+                          "<key> (the OpenAI clients send their api_key so)")
+    return parse_key(key.strip())
+
+
+def new_key() -> tuple[str, str, str]:
+    """A fresh key: its id, its secret and the whole key the caller is given."""
+    key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+    return key_id, secret, f"{PREFIX}{key_id}.{secret}"
+
+
+class KeyChecker(Protocol):
+    """Who a request's `Authorization` header speaks for; ApiKeyError (401, 429) if no one."""
+
+    def check(self, authorization: str | None) -> Caller: ...
 
 
 class _Bucket:
@@ -126,11 +151,7 @@ class KeyCheck:
         self._lock = threading.Lock()
 
     def check(self, authorization: str | None) -> Caller:
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise ApiKeyError(401, "an inference key is required: Authorization: Bearer "
-                              "<key> (the OpenAI clients send their api_key so)")
-        parsed = parse_key(key.strip())
+        parsed = bearer_key(authorization)
         row = self._row(parsed[0]) if parsed else None
         if parsed is None or row is None or not hmac.compare_digest(
                 row.secret_sha256, secret_sha256(parsed[1])):

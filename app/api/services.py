@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from pydantic import SecretStr
 from sqlalchemy import Engine as DbEngine
 
-from app.api.api_keys import KeyCheck
+from app.api.api_keys import KeyCheck, KeyChecker
 from app.api.feedback_intake import FeedbackIntake
 from app.api.metrics import Metrics
 from app.settings import Settings
@@ -60,7 +60,7 @@ class Services:
     scavenger: Any | None = None  # simulate.scavenge.Scavenger when scavenging is on
     canary_watch: Any | None = None  # trainer.release.canary_watch.CanaryWatch: decides canaries
     admin: SecretStr | None = None  # see admin_token()
-    keys: KeyCheck | None = None  # see key_check()
+    keys: KeyChecker | None = None  # see key_check()
     join_db: DbEngine | None = None  # see join_database()
     # which engine serves a session: `engine`, or a canary's beside it (serving/canary.py)
     versions: ServedVersions = field(init=False)
@@ -68,8 +68,9 @@ class Services:
     def __post_init__(self) -> None:
         self.versions = ServedVersions(self.engine)
 
-    def key_check(self) -> KeyCheck:
-        """The inference keys' check (app/api/api_keys.py), made on first use."""
+    def key_check(self) -> KeyChecker:
+        """The inference keys' check (app/api/api_keys.py): the keys table's, made on first
+        use, unless another was given."""
         if self.keys is None:
             self.keys = KeyCheck(self.db)
         return self.keys

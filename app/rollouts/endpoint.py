@@ -7,7 +7,10 @@ agent does against `flywheel up` it does here. What differs:
 
 - inference keys are required, one per episode (`open`), whose user id is the episode's session:
   a generation is the episode's by the key that asked for it, whatever its body says; an
-  episode past its request budget is refused (429) and dropped as a flood;
+  episode past its request budget is refused (429) and dropped as a flood. The keys live in
+  the `EpisodeBook`, as long as their episode, not in a table: the book is the app's key check
+  here (a key made and revoked in SQL per episode cost the worker's event loop about 40 ms an
+  episode, SQLite's lock shared with the requests' key checks);
 - the session log is the `EpisodeBook`: each record goes to its episode, in memory;
 - `POST /v1/feedback` takes the episode's verdict: the webhook's body (`FeedbackRequest`) about
   a session, signed (`ingest.signing`) with the episode's feedback secret. A body no open
@@ -23,6 +26,7 @@ agent does against `flywheel up` it does here. What differs:
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import socket
@@ -35,7 +39,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Request, Response, status
 from pydantic import ValidationError
 
-from app.api.api_keys import create_key, revoke_key
+from app.api.api_keys import ApiKeyError, Caller, bearer_key, new_key
 from app.api.deps import CallerDep
 from app.api.errors import ApiError, install_error_handlers
 from app.api.guard import RequestGuard
@@ -63,6 +67,7 @@ class Episode:
     session_id: str
     key_id: str
     key: str  # the whole inference key, given to the agent once
+    key_secret: str  # its secret part, as the agent sends it
     secret: str  # signs its verdict
     temperature: float  # the job's: a generation sampled at another cannot train
     max_requests: int
@@ -79,20 +84,35 @@ class Episode:
 
 
 class EpisodeBook:
-    """The open episodes, by session; the app's session log (`submit`) files each generation
-    under the episode whose key made it."""
+    """The open episodes, by session and by key: the app's key check (`check`) knows a request
+    by its episode's key, and the app's session log (`submit`) files each generation under the
+    episode whose key made it."""
 
     def __init__(self) -> None:
         self._episodes: dict[str, Episode] = {}
+        self._by_key: dict[str, Episode] = {}
         self._lock = threading.Lock()
 
     def add(self, episode: Episode) -> None:
         with self._lock:
             self._episodes[episode.session_id] = episode
+            self._by_key[episode.key_id] = episode
 
     def remove(self, episode: Episode) -> None:
         with self._lock:
             self._episodes.pop(episode.session_id, None)
+            self._by_key.pop(episode.key_id, None)
+
+    def check(self, authorization: str | None) -> Caller:
+        """The key check (`app.api.api_keys.KeyChecker`): an open episode's key speaks for
+        its session; any other key, a closed episode's among them, is 401."""
+        parsed = bearer_key(authorization)
+        with self._lock:
+            episode = self._by_key.get(parsed[0]) if parsed else None
+        if parsed is None or episode is None or not hmac.compare_digest(
+                episode.key_secret, parsed[1]):
+            raise ApiKeyError(401, "the inference key is not an open episode's")
+        return Caller(key_id=episode.key_id, user_id=episode.session_id)
 
     def get(self, session_id: str | None) -> Episode | None:
         with self._lock:
@@ -102,7 +122,7 @@ class EpisodeBook:
         """Count one model request of the episode; 429 past its budget (the episode is then
         dropped as a flood) or once it was dropped."""
         episode = self.get(session_id)
-        if episode is None:  # closed: its key is being revoked
+        if episode is None:  # closed since its key was checked
             raise ApiError(status.HTTP_401_UNAUTHORIZED, "this episode has ended",
                            code="invalid_api_key")
         with self._lock:
@@ -210,7 +230,7 @@ class RolloutEndpoint:
         db = make_db_engine(settings.resolved_database_url)
         book = EpisodeBook()
         services = Services(settings=settings, kafka=kafka, engine=engine, producer=producer,
-                            db=db, tokenizer=engine.tokenizer, session_log=book)
+                            db=db, tokenizer=engine.tokenizer, session_log=book, keys=book)
         endpoint = cls(services, book)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -230,14 +250,13 @@ class RolloutEndpoint:
 
     def open(self, session_id: str, *, temperature: float, max_requests: int) -> Episode:
         """A new episode: its key (the user id is the session) and verdict secret."""
-        row, key = create_key(self.services.db, user_id=session_id, label="rollout episode")
-        episode = Episode(session_id=session_id, key_id=row.key_id, key=key,
+        key_id, key_secret, key = new_key()
+        episode = Episode(session_id=session_id, key_id=key_id, key=key, key_secret=key_secret,
                           secret=secrets.token_urlsafe(24), temperature=temperature,
                           max_requests=max_requests)
         self.book.add(episode)
         return episode
 
     def close(self, episode: Episode) -> None:
-        """End the episode: its key is revoked, later requests and records go nowhere."""
+        """End the episode: its key stops working, later requests and records go nowhere."""
         self.book.remove(episode)
-        revoke_key(self.services.db, episode.key_id)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from app.cli.main import agent_program
@@ -110,6 +111,21 @@ def test_a_client_that_rewrites_its_history_trains_on_the_tokens_the_model_sampl
         assert sum(window.loss_mask) == turn["completion_tokens"]
         trained = [p for p, m in zip(window.logprobs, window.loss_mask, strict=True) if m]
         assert trained == pytest.approx(turn["logprobs"], abs=1e-4)
+
+
+def test_only_an_open_episodes_key_reaches_the_model(endpoint: RolloutEndpoint) -> None:
+    """The episodes' keys live in the endpoint's memory, as long as their episode."""
+    episode = endpoint.open("rollout-keys", temperature=1.0, max_requests=8)
+
+    def models(key: str) -> int:
+        return httpx.get(f"{endpoint.base_url}/v1/models",
+                         headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    assert models(episode.key) == 200
+    assert models(episode.key[:-1] + ("A" if episode.key[-1] != "A" else "B")) == 401
+    assert models("fwk-unknown.secret") == 401
+    endpoint.close(episode)
+    assert models(episode.key) == 401
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["process", "warm-host"])
