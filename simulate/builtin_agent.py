@@ -69,10 +69,10 @@ async def _one_completion() -> None:
             http_client=openai.DefaultAsyncHttpxClient(verify=TLS)) as client:
         turns = ChatTurns(client, session_id="warm-up", user="warm-up")
         window = turns.open(TOOLS, "warm-up", "warm-up")
-        turn = await turns.reply(window, Sampling(max_tokens=1, temperature=1.0, top_p=1.0,
-                                                  seed=0))
+        sampling = Sampling(max_tokens=1, temperature=1.0, top_p=1.0, seed=0)
+        turn = await turns.reply(window, sampling)
         turns.add_results(window, [(call, "warm-up") for call in turn.calls])
-        await turns.reply(window, Sampling(max_tokens=1, temperature=1.0, top_p=1.0, seed=0))
+        await turns.reply(window, sampling)
     async with httpx.AsyncClient(verify=TLS):
         pass
 

@@ -38,15 +38,15 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response, status
 from pydantic import ValidationError
+from sqlalchemy import create_engine
 
-from app.api.api_keys import ApiKeyError, Caller, bearer_key, new_key
+from app.api.api_keys import PREFIX, ApiKeyError, Caller, bearer_key, new_key
 from app.api.deps import CallerDep
 from app.api.errors import ApiError, install_error_handlers
 from app.api.guard import RequestGuard
 from app.api.routes import completions, models
 from app.api.schemas import FeedbackAccepted, FeedbackRequest
 from app.api.services import Services
-from app.db import make_db_engine
 from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.events import FeedbackReceived, GenerationLogged
@@ -66,8 +66,7 @@ class Episode:
 
     session_id: str
     key_id: str
-    key: str  # the whole inference key, given to the agent once
-    key_secret: str  # its secret part, as the agent sends it
+    key_secret: str  # the secret part of its inference key
     secret: str  # signs its verdict
     temperature: float  # the job's: a generation sampled at another cannot train
     max_requests: int
@@ -75,6 +74,11 @@ class Episode:
     requests: int = 0
     verdict: FeedbackReceived | None = None
     dropped: DropReason | None = None
+
+    @property
+    def key(self) -> str:
+        """The whole inference key, given to the agent."""
+        return f"{PREFIX}{self.key_id}.{self.key_secret}"
 
     def drop(self, reason: DropReason) -> None:
         """Mark the episode dropped (the first reason stands)."""
@@ -225,9 +229,10 @@ class RolloutEndpoint:
         """Serve on 127.0.0.1 (an ephemeral port) until the block ends."""
         import uvicorn
 
-        settings = Settings(profile="embedded", require_api_keys=True, data_dir=workdir,
-                            database_url=f"sqlite:///{workdir / 'endpoint.db'}")
-        db = make_db_engine(settings.resolved_database_url)
+        settings = Settings(profile="embedded", require_api_keys=True, data_dir=workdir)
+        # `Services` holds a database; nothing this endpoint serves reads one (the keys are
+        # the book's), so it gets an empty one in memory, not a file with the API's tables
+        db = create_engine("sqlite://")
         book = EpisodeBook()
         services = Services(settings=settings, kafka=kafka, engine=engine, producer=producer,
                             db=db, tokenizer=engine.tokenizer, session_log=book, keys=book)
@@ -250,8 +255,8 @@ class RolloutEndpoint:
 
     def open(self, session_id: str, *, temperature: float, max_requests: int) -> Episode:
         """A new episode: its key (the user id is the session) and verdict secret."""
-        key_id, key_secret, key = new_key()
-        episode = Episode(session_id=session_id, key_id=key_id, key=key, key_secret=key_secret,
+        key_id, key_secret, _ = new_key()
+        episode = Episode(session_id=session_id, key_id=key_id, key_secret=key_secret,
                           secret=secrets.token_urlsafe(24), temperature=temperature,
                           max_requests=max_requests)
         self.book.add(episode)
