@@ -1,8 +1,9 @@
 """The end of `flywheel demo` (app/cli/demo_loop.py): the table per served version, the
-canaries' decisions, `D/demo.png` and the one JSON line."""
+canaries' decisions, `D/demo.png`, `D/live/sessions.jsonl` and the one JSON line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
         print(f"canary v{canary['version']} {canary['status']} "
               f"({canary['decided_by'] or '-'}): {canary['reason']}")
     plot = plot_demo(population.outcomes, held_out, settings.data_dir / "demo.png")
+    write_sessions(population.outcomes, settings.data_dir / "live" / "sessions.jsonl")
     print(f"sessions {stats.sessions} ({stats.turns} completions; {stats.spanning_swap} spanned "
           f"a hot-swap or a canary's end), feedback sent {stats.feedback_sent}, refused "
           f"releases {sum(r['status'] == 'rejected' for r in releases)}, canaries rolled "
@@ -81,6 +83,17 @@ def report(settings: Settings, population: Any, releases: list[dict[str, Any]],
         "canary_decisions": [canary_decision(c) for c in canaries],
         "wall_s": round(wall_s, 1)}))
     return 0
+
+
+def write_sessions(outcomes: list[Any], path: Path) -> Path:
+    """Every developer session, one JSON object a line (`SessionOutcome`'s fields: the task,
+    the version of each model turn, the true verdict and the feedback sent), for looking into
+    what the figures sum up, e.g. acceptance per task family and version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for outcome in outcomes:
+            out.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
+    return path
 
 
 def plot_demo(outcomes: list[Any], held_out: dict[int, float], path: Path, *,

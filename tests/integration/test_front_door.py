@@ -52,6 +52,9 @@ def test_demo_runs_from_a_fresh_directory_with_the_default_data_dir(tmp_path: Pa
     data = tmp_path / "data"  # relative to where it ran, nowhere else
     assert (data / "bootstrap" / "model" / "config.json").exists()
     assert (data / "demo.png").exists()
+    sessions = [json.loads(line) for line in
+                (data / "live" / "sessions.jsonl").read_text().splitlines()]
+    assert len(sessions) >= 4 and all(s["task_id"].startswith("builtin/") for s in sessions)
     assert not (data / "bootstrap" / "policy").exists()  # the run's policy store is removed
     assert summary["releases"] == 1 and summary["failed_requests"] == 0
     # a second run in the same directory reuses the bootstrap and starts live from version 0
