@@ -9,8 +9,8 @@ an editor's agent does. At the end it runs the task's hidden tests and judges th
 session: `accept` when they all pass, `edit_kept` with the share that passes when some do,
 `reject` otherwise (and when the anti-cheat checks of `simulate.rewards` flag the session).
 The verdict is flipped with probability `noise` (people misjudge), sent after a random delay
-(people react late), and signed (`ingest.signing`) to `POST /v1/feedback`, keyed by the
-session.
+(people react late, while they go on to their next task), and signed (`ingest.signing`) to
+`POST /v1/feedback`, keyed by the session.
 
 The live acceptance rate the demo plots is the share of sessions whose tests all pass, before
 noise, per served model version (a session counts for a version when every turn of it was
@@ -140,6 +140,7 @@ class SessionOutcome:
     kind: str  # the feedback sent (after noise)
     value: float | None
     finished_at: float
+    delay_s: float = 0.0  # the verdict is sent this long after the session ends
 
     @property
     def version(self) -> int | None:
@@ -245,31 +246,40 @@ class DeveloperPopulation:
     async def run(self, *, until: Callable[[], bool],
                   on_session: Callable[[SessionOutcome], None] | None = None) -> PopulationStats:
         """Keep `concurrency` sessions going until `until()` holds; every started session
-        finishes and sends its feedback before this returns."""
+        finishes and sends its feedback before this returns. `on_session` hears of each
+        session as it ends, its verdict still to come."""
         limits = httpx.Limits(max_connections=2 * self.settings.concurrency)
         async with httpx.AsyncClient(base_url=self.base_url, timeout=300,
                                      limits=limits) as http, openai.AsyncOpenAI(
                 base_url=f"{self.base_url}/v1", api_key="developer", timeout=300,
                 max_retries=0) as client:
             with tempfile.TemporaryDirectory(dir=self.workdir, prefix="developers-") as tmp:
+                verdicts: set[asyncio.Task[None]] = set()
+
                 async def developer(index: int) -> None:
                     number = index
                     while not until():
                         outcome = await self.session(client, http, Path(tmp) / f"{number}",
                                                      number)
                         number += self.settings.concurrency
-                        if outcome is not None and on_session is not None:
+                        if outcome is None:
+                            continue
+                        # the verdict comes late, and the developer does not wait for it
+                        verdicts.add(task := asyncio.create_task(self.judge(http, outcome)))
+                        task.add_done_callback(verdicts.discard)
+                        if on_session is not None:
                             on_session(outcome)
 
                 await asyncio.gather(*(developer(i) for i in range(self.settings.concurrency)))
+                await asyncio.gather(*list(verdicts))
         return self.stats
 
     async def session(self, client: openai.AsyncOpenAI, http: httpx.AsyncClient, root: Path,
                       number: int) -> SessionOutcome | None:
-        """One task, start to verdict; None when a request failed (nothing is reported)."""
+        """One task, start to its judged outcome (`judge` reports it); None when a request
+        failed (nothing is reported)."""
         task = self.rng.choice(self.tasks)
         flip = self.rng.random() < self.settings.noise
-        delay = self.rng.uniform(0.0, self.settings.max_delay_s)
         session_id = f"dev-{uuid.uuid4().hex}"
         turns = ChatTurns(client, session_id=session_id, user=f"developer-{number % 64}")
         env = TaskEnvironment(task, root, self.cache)
@@ -287,12 +297,16 @@ class DeveloperPopulation:
         kind, value = with_noise(*verdict(fraction, trajectory.flags), flip)
         versions = tuple(v for window in trajectory.segments for v in window.versions)
         outcome = SessionOutcome(task.task_id, session_id, versions, passed, fraction,
-                                 tuple(trajectory.flags), kind, value, time.time())
+                                 tuple(trajectory.flags), kind, value, time.time(),
+                                 delay_s=self.rng.uniform(0.0, self.settings.max_delay_s))
         self.stats.record(outcome)
         self.outcomes.append(outcome)
-        await asyncio.sleep(delay)
-        await self.send_feedback(http, outcome)
         return outcome
+
+    async def judge(self, http: httpx.AsyncClient, outcome: SessionOutcome) -> None:
+        """The developer's verdict on a finished session, `outcome.delay_s` later."""
+        await asyncio.sleep(outcome.delay_s)
+        await self.send_feedback(http, outcome)
 
     async def send_feedback(self, http: httpx.AsyncClient, outcome: SessionOutcome) -> None:
         body, headers = session_verdict(outcome.session_id, outcome.kind, outcome.value,

@@ -21,12 +21,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import shutil
-import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from app.cli.demo_developers import DeveloperProcess
 from app.cli.demo_report import release_line, report
 from app.cli.stack import running_stack
 from app.settings import Settings
@@ -156,41 +156,8 @@ def fresh_live_dir(data_dir: Path) -> Path:
     return live
 
 
-class DeveloperThread:
-    """The simulated developers on their own event loop, until `stop` is set."""
-
-    def __init__(self, settings: Settings, base_url: str, plan: DemoPlan) -> None:
-        from simulate.developers import DeveloperPopulation, DeveloperSettings
-        from simulate.tasks import build_task_source
-
-        tasks = build_task_source(settings.bootstrap.tasks).split("product")
-        self.population = DeveloperPopulation(
-            base_url, tasks, secret=settings.feedback_secrets[0].get_secret_value(),
-            settings=DeveloperSettings(concurrency=plan.concurrency,
-                                       harness=settings.bootstrap.harness(
-                                           temperature=plan.temperature)),
-            workdir=settings.data_dir)
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="developers", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self.population.run(until=self.stop.is_set))
-        except BaseException as exc:  # reported by the demo, which then stops
-            self.error = exc
-
-    def __enter__(self) -> DeveloperThread:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=300)
-
-
 def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
-    from ingest.join import run_join
+    from app.cli.processes import join_process, train_online_rank
 
     started = time.monotonic()
     plan = plan or DemoPlan()
@@ -200,50 +167,45 @@ def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
     with running_stack(settings.model_copy(
             update={"model_dir": model_dir, "data_dir": live})) as stack:
         s = stack.settings
-        stop = threading.Event()
-        join = threading.Thread(target=run_join, name="join", daemon=True, kwargs={
-            "kafka": stack.kafka, "settings": s.join,
-            "database_url": s.resolved_join_database_url, "stop": stop})
-        join.start()
         print(f"live: {stack.base_url} serves v0; {plan.concurrency} simulated developers on "
               f"the product tasks; a release every {plan.release_every_steps} trainer steps",
               flush=True)
         watch = LiveView(stack.base_url, s.admin_secret().get_secret_value(), plan)
-        try:
-            with TrainerProcess(s) as trainer, \
-                    DeveloperThread(s, stack.base_url, plan) as developers:
-                watch.follow(developers, trainer)
-        finally:
-            stop.set()
-            join.join(timeout=60)
+        # the join, the trainer and the developers each in a process of their own, as in
+        # production: the API's engine shares its interpreter's lock with the HTTP server alone
+        with ServiceProcess("join", join_process, s.model_dump_json()) as join, \
+                ServiceProcess("online trainer", train_online_rank, s.model_dump_json(),
+                               True) as trainer, \
+                DeveloperProcess(s, stack.base_url, concurrency=plan.concurrency,
+                                 temperature=plan.temperature) as developers:
+            watch.follow(developers, (join, trainer))
         releases, breaches, canaries = watch.releases(), watch.breaches(), watch.canaries()
     return report(settings, developers.population, releases, len(breaches), canaries,
                   time.monotonic() - started)
 
 
-class TrainerProcess:
-    """The online trainer with the release pipeline as its sink, in a process of its own as
-    `flywheel train-online` runs in production (its steps then wait for no lock of the API's,
-    the engine's or the developers' Python threads). It stops by itself once `releases`
-    releases were published (`online.stop_after_releases`), or on SIGTERM at the end."""
+class ServiceProcess:
+    """A service of the live loop in a spawned process, as it runs in production: the join
+    (`flywheel join`; stopped by SIGTERM at the end, after the developers' last verdicts)
+    or the online trainer with the release pipeline as its sink (`flywheel train-online`,
+    which stops by itself once `releases` releases were published)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, name: str, target: Callable[..., int], *args: object) -> None:
         import multiprocessing
 
-        from app.cli.processes import train_online_rank
-
+        self.name = name
         self.process = multiprocessing.get_context("spawn").Process(
-            target=train_online_rank, args=(settings.model_dump_json(), True), name="trainer",
-            daemon=True)
+            target=target, args=args, name=name, daemon=True)
 
-    def __enter__(self) -> TrainerProcess:
+    def __enter__(self) -> ServiceProcess:
         self.process.start()
         return self
 
     def check(self) -> None:
-        """Raise if the trainer died (a clean exit is its stop after the last release)."""
+        """Raise if the service died (a clean exit is the trainer's stop after its last
+        release)."""
         if self.process.exitcode not in (None, 0):
-            raise RuntimeError(f"the online trainer exited with {self.process.exitcode} "
+            raise RuntimeError(f"the {self.name} exited with {self.process.exitcode} "
                                f"(its log is above)")
 
     def __exit__(self, *exc: object) -> None:
@@ -280,7 +242,7 @@ class LiveView:
         reply.raise_for_status()
         return list((reply.json().get("trainer") or {}).get("breaches") or [])
 
-    def follow(self, developers: DeveloperThread, trainer: TrainerProcess) -> None:
+    def follow(self, developers: DeveloperProcess, services: Sequence[ServiceProcess]) -> None:
         """Until `plan.releases` releases were served and the newest one has served
         `plan.min_sessions` sessions, or `plan.max_loop_s`."""
         from tqdm import tqdm
@@ -292,9 +254,11 @@ class LiveView:
         bar = tqdm(total=self.plan.releases, desc="releases", unit="release", dynamic_ncols=True)
         try:
             while time.monotonic() - started < self.plan.max_loop_s:
+                developers.poll()
                 if developers.error is not None:
                     raise developers.error
-                trainer.check()
+                for service in services:
+                    service.check()
                 for b in self.breaches()[::-1][len(shown):]:  # oldest first
                     shown.append(b)
                     bar.write(f"monitor {b['monitor']} tripped on v{b['version']}: "

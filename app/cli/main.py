@@ -23,7 +23,12 @@ from typing import get_args
 
 from pydantic import ValidationError
 
-from app.cli.processes import interrupt_on_sigterm, stop_on_signals, train_online_rank
+from app.cli.processes import (
+    interrupt_on_sigterm,
+    run_join_service,
+    stop_on_signals,
+    train_online_rank,
+)
 from app.settings import ADMIN_TOKEN_FILE, Settings, absolute, absolute_store_url
 from simulate.agents import BUILTIN_ENTRY_POINT, AgentProgram
 from trainer.config import ModelFamily
@@ -101,20 +106,12 @@ def cmd_train_online(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from app.heap import settle_heap
-    from ingest.join import run_join
-
     settings = _settings(args)
     kafka = args.kafka or settings.kafka_bootstrap
     if kafka is None:
         print("flywheel join: set FLYWHEEL_KAFKA_BOOTSTRAP or --kafka", file=sys.stderr)
         return 2
-    stop = stop_on_signals()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    settle_heap()
-    run_join(settings.kafka_config(kafka), settings.join,
-             database_url=settings.resolved_join_database_url, stop=stop)
-    return 0
+    return run_join_service(settings.model_copy(update={"kafka_bootstrap": kafka}))
 
 
 # `flywheel demo`'s flags: each sets the `DemoPlan` field it names (its default in the help)

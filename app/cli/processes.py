@@ -1,6 +1,6 @@
 """Entry points that run as a process of their own (`flywheel train-online`'s ranks, the
-demo's trainer), apart from the CLI that parses their flags: the demo starts one without
-importing the CLI, which imports the demo."""
+join, the demo's trainer and join), apart from the CLI that parses their flags: the demo
+starts them without importing the CLI, which imports the demo."""
 
 from __future__ import annotations
 
@@ -53,4 +53,24 @@ def train_online_rank(settings_json: str, release: bool) -> int:
         leave_world(world)
     if world.leader:
         print(f"trained {report.consumed} experiences in {report.steps} steps", flush=True)
+    return 0
+
+
+def join_process(settings_json: str) -> int:
+    """`run_join_service` in a spawned process (the settings travel as JSON)."""
+    return run_join_service(Settings.model_validate_json(settings_json))
+
+
+def run_join_service(settings: Settings) -> int:
+    """`flywheel join` on the broker `settings.kafka_bootstrap` names, until SIGINT or SIGTERM."""
+    from app.heap import settle_heap
+    from ingest.join import run_join
+
+    if settings.kafka_bootstrap is None:
+        raise ValueError("the join needs a broker: set FLYWHEEL_KAFKA_BOOTSTRAP or --kafka")
+    stop = stop_on_signals()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settle_heap()
+    run_join(settings.kafka_config(settings.kafka_bootstrap), settings.join,
+             database_url=settings.resolved_join_database_url, stop=stop)
     return 0
