@@ -4,8 +4,12 @@ starts them without importing the CLI, which imports the demo."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from app.settings import Settings
 
@@ -18,14 +22,44 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def interrupt_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so a command that owns child
-    processes (the embedded broker, rollout workers, the demo's trainer) stops them on its
-    way out instead of leaving them behind."""
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C's KeyboardInterrupt is (`interrupt_on_sigterm`)."""
 
-    signal.signal(signal.SIGTERM, interrupt)
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises `Terminated`, a KeyboardInterrupt as Ctrl-C's, so a command that owns
+    child processes (the embedded broker, rollout workers, the demo's trainer) stops them on
+    its way out instead of leaving them behind.
+
+    Python runs a signal's handler wherever the main thread is, a finalizer included, and
+    prints and drops an exception raised in a finalizer (`__del__`, a weakref callback):
+    a SIGTERM that lands there is sent again a moment later (`sys.unraisablehook`), once the
+    main thread is back in the program's own code. (One `kill` in five left `flywheel
+    bootstrap` mid-training, the KeyboardInterrupt dropped in a `regex` pattern's
+    `__del__`.)"""
+    global _unraisable_hook
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    if sys.unraisablehook is not _terminate_again:
+        _unraisable_hook, sys.unraisablehook = sys.unraisablehook, _terminate_again
+
+
+def _raise_terminated(*_: object) -> None:
+    raise Terminated("SIGTERM")
+
+
+_unraisable_hook: Callable[[Any], object] = sys.__unraisablehook__
+
+
+def _terminate_again(unraisable: Any) -> None:
+    """`sys.unraisablehook`: a `Terminated` a finalizer swallowed is signalled again, from
+    a thread, once the main thread has left the finalizer (signalled from here, the handler
+    would run, and raise, before this hook returns)."""
+    if isinstance(unraisable.exc_value, Terminated):
+        again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+        again.daemon = True
+        again.start()
+        return
+    _unraisable_hook(unraisable)
 
 
 def train_online_rank(settings_json: str, release: bool) -> int:
