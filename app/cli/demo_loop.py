@@ -28,16 +28,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import SecretStr
 
-from app.cli.demo_developers import DeveloperProcess
 from app.cli.demo_report import release_line, report
 from app.cli.stack import running_stack
 from app.settings import Settings
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
+
+if TYPE_CHECKING:  # the developers' process pulls in the openai client: the demo's alone
+    from app.cli.demo_developers import DeveloperProcess
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
@@ -157,6 +159,7 @@ def fresh_live_dir(data_dir: Path) -> Path:
 
 
 def run_demo_loop(settings: Settings, plan: DemoPlan | None = None) -> int:
+    from app.cli.demo_developers import DeveloperProcess
     from app.cli.processes import join_process, train_online_rank
 
     started = time.monotonic()
