@@ -80,6 +80,11 @@ LETTER_PRACTICE = (
 )
 
 
+# the templates whose parameter is a lower-case letter: the last kind of value a tiny model
+# learns to copy (mid-training draws their demonstrations more often: BootstrapSettings)
+LETTER_FAMILIES = tuple(t.name for t in (*TEMPLATES, *LETTER_PRACTICE) if t.params == LETTERS)
+
+
 # Unseen templates: kinds of task in no other split, no demonstration and no practice task,
 # every task of them in `held_out_family` (BuiltinTaskSource). Each is a form the seen
 # templates come near (an argument on the other side, a slice from the other end, a list

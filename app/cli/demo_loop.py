@@ -37,14 +37,17 @@ from app.cli.demo_report import release_line, report
 from app.cli.stack import running_stack
 from app.settings import Settings
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
+from simulate.task_templates import LETTER_FAMILIES
 
 if TYPE_CHECKING:  # the developers' process pulls in the openai client: the demo's alone
     from app.cli.demo_developers import DeveloperProcess
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
-# with probability 0.3 at 0.7, where the held-out tasks' were written with about 0.3 too
-# (docs/bootstrap.md): a start with room to learn on both measures (docs/demo.md has the runs)
-MIDTRAIN_UNTIL = 0.3
+# with probability 0.15 at 0.7, the letter templates' demonstrations drawn four times as often
+# as the others' (docs/bootstrap.md): a start that copies integers and letters alike and has
+# room to learn on both measures (docs/demo.md has the runs)
+MIDTRAIN_UNTIL = 0.15
+LETTER_WEIGHT = 4.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     release = settings.release.model_copy(update={"canary": canary})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
+        "midtrain_family_weights": dict.fromkeys(LETTER_FAMILIES, LETTER_WEIGHT),
         "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
         "max_steps": plan.grpo_steps,
         # validation scored before and after GRPO: the better becomes version 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PositiveFloat, model_validator
 
 from ingest.rollout_events import RewardConfig
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
@@ -40,6 +40,11 @@ class BootstrapSettings(BaseModel):
     midtrain_lr: float = Field(default=1e-3, gt=0)
     midtrain_lr_floor: float = Field(default=1.0, gt=0, le=1)  # cosine end, x peak; 1: constant
     midtrain_practice: bool = True  # add the source's practice tasks to the corpus
+    # How often mid-training draws a family's demonstrations (a task's `family`), against 1 for
+    # a family not named. The demo weighs the built-in letter templates 4: its mid-training
+    # stops before a lower-case letter, the last parameter a tiny model learns to copy, would
+    # otherwise be copied (docs/bootstrap.md)
+    midtrain_family_weights: dict[str, PositiveFloat] = Field(default_factory=dict)
     # Stop mid-training early, at the first check (every `midtrain_check_every` steps) where the
     # model writes the first call of the practice tasks held back for GRPO with this mean
     # probability when sampling at `midtrain_check_temperature`; midtrain_steps is then the

@@ -11,6 +11,7 @@ parameter values right.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -66,6 +67,32 @@ class QualityStop:
         return sum(probs) / len(probs)
 
 
+@dataclass(frozen=True)
+class DemonstrationCorpus:
+    """Every context window of the tasks' demonstrations, each with its task's family."""
+
+    windows: list[tuple[list[int], list[int]]]  # (token ids, loss mask)
+    families: list[str | None]
+    cumulative: list[float]  # running sum of the windows' draw weights
+
+    @classmethod
+    def of(cls, chat: ChatTokens, tasks: list[Task], *, family_weights: dict[str, float],
+           context_budget: int | None = None, max_summaries: int = 0) -> DemonstrationCorpus:
+        """A window of a task whose family is in `family_weights` is drawn that many times as
+        often as one of another family (weight 1)."""
+        pairs = [(window, t.family) for t in tasks if t.demonstrable
+                 for window in windows(chat, t, context_budget=context_budget,
+                                       max_summaries=max_summaries)]
+        weights = [family_weights.get(family or "", 1.0) for _, family in pairs]
+        return cls([w for w, _ in pairs], [f for _, f in pairs],
+                   list(itertools.accumulate(weights)))
+
+    def draw(self, rng: random.Random, k: int) -> Rows:
+        """`k` windows drawn with replacement by their weights."""
+        drawn = rng.choices(self.windows, cum_weights=self.cumulative, k=k)
+        return Rows([ids for ids, _ in drawn], [mask for _, mask in drawn])
+
+
 @dataclass
 class MidTrainResult:
     steps: int  # run: fewer than asked when a QualityStop stopped it
@@ -76,25 +103,26 @@ class MidTrainResult:
 def midtrain(policy: Policy, chat: ChatTokens, tasks: list[Task], *, steps: int, batch_size: int,
              lr: float, lr_floor: float = 0.1, seed: int = 0, stop: QualityStop | None = None,
              progress: bool = False, context_budget: int | None = None,
-             max_summaries: int = 0) -> MidTrainResult:
-    """`steps` AdamW steps (fewer if `stop` is reached) of masked next-token loss over shuffled
-    demonstration transcripts, each context window a row (a long task's episode summarizes
-    past `context_budget` as the harness would, at most `max_summaries` times); the rate warms
-    up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0: constant)."""
+             max_summaries: int = 0,
+             family_weights: dict[str, float] | None = None) -> MidTrainResult:
+    """`steps` AdamW steps (fewer if `stop` is reached) of masked next-token loss over
+    demonstration transcripts drawn at random, each context window a row (a long task's episode
+    summarizes past `context_budget` as the harness would, at most `max_summaries` times), a
+    task of a family in `family_weights` drawn that many times as often as one of another
+    family; the rate warms up to `lr`, then decays by cosine to `lr_floor` x `lr` (1.0:
+    constant)."""
     from tqdm import tqdm
 
-    corpus = [window for t in tasks if t.demonstrable
-              for window in windows(chat, t, context_budget=context_budget,
-                                    max_summaries=max_summaries)]
+    corpus = DemonstrationCorpus.of(chat, tasks, family_weights=family_weights or {},
+                                    context_budget=context_budget, max_summaries=max_summaries)
     rng = random.Random(seed)
     checked = stop.rows(chat) if stop is not None else None
     result = MidTrainResult(steps=0, final_loss=float("nan"))
     bar = tqdm(range(steps), desc="mid-training", disable=not progress, dynamic_ncols=True,
                mininterval=1.0)
     for step in bar:
-        rows = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
-        metrics = policy.train_step(Rows([r[0] for r in rows], [r[1] for r in rows]),
-                                    NextTokenLoss(), lr * lr_factor(step, steps, floor=lr_floor))
+        metrics = policy.train_step(corpus.draw(rng, batch_size), NextTokenLoss(),
+                                    lr * lr_factor(step, steps, floor=lr_floor))
         result.steps, result.final_loss = step + 1, metrics["loss"]
         if stop is not None and checked is not None and result.steps % stop.every == 0:
             score = stop.score(policy, checked)
@@ -209,6 +237,7 @@ def midtrain_on(policy: Policy, cfg: BootstrapSettings, tasks: list[Task], *,
                         batch_size=cfg.midtrain_batch, lr=cfg.midtrain_lr,
                         lr_floor=cfg.midtrain_lr_floor, seed=cfg.seed, stop=stop,
                         progress=progress, context_budget=cfg.context_budget,
-                        max_summaries=cfg.max_summaries)
+                        max_summaries=cfg.max_summaries,
+                        family_weights=cfg.midtrain_family_weights)
     finally:
         torch.set_num_threads(threads)

@@ -128,3 +128,30 @@ def test_midtraining_stops_at_the_first_check_that_reaches_its_target(model_dir:
     reached = dataclasses.replace(never, target=1e-300)
     result = midtrain(policy, chat, train[:8], steps=5, batch_size=2, lr=1e-3, stop=reached)
     assert result.steps == 2 and len(result.checks) == 1 and policy.version == 0
+
+
+def test_a_weighted_family_is_drawn_that_many_times_as_often(model_dir: Path) -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    from simulate.task_templates import LETTER_FAMILIES
+    from trainer.bootstrap.midtrain import DemonstrationCorpus
+
+    assert {"count_char_{p}", "append_char_{p}", "prepend_char_{p}"} <= set(LETTER_FAMILIES)
+    assert "add_{p}" not in LETTER_FAMILIES
+    chat = ChatTokens(AutoTokenizer.from_pretrained(model_dir))
+    tasks = build_task_source(BuiltinTasksConfig()).split("train")
+    letters = [t for t in tasks if t.family == "count_char_{p}"][:5]
+    others = [t for t in tasks if t.family == "add_{p}"][:5]
+    corpus = DemonstrationCorpus.of(chat, letters + others,
+                                    family_weights={"count_char_{p}": 4.0})
+    assert corpus.families == ["count_char_{p}"] * 5 + ["add_{p}"] * 5
+    letter_ids = {tuple(ids) for ids, _ in corpus.windows[:5]}
+    drawn = corpus.draw(random.Random(0), 4000)
+    share = sum(tuple(ids) in letter_ids for ids in drawn.sequences) / 4000
+    assert share == pytest.approx(0.8, abs=0.03)  # 4 x 5 against 1 x 5
+    unweighted = DemonstrationCorpus.of(chat, letters + others, family_weights={})
+    share = sum(tuple(ids) in letter_ids
+                for ids in unweighted.draw(random.Random(0), 4000).sequences) / 4000
+    assert share == pytest.approx(0.5, abs=0.03)
