@@ -4,12 +4,15 @@ Mid-trains the default model as the demo's bootstrap does and, every `--every` s
 `--from`, measures `QualityStop`'s score (the mean probability, at 0.7, of writing the first
 call of each unseen practice task: one forward pass) and the same on the held-out split; every
 second check also runs the held-out episodes with the harness: pass@1 at 0.7 (two seeds) and
-greedy. Where the score first reaches `--target` is where `flywheel demo` stops mid-training.
+greedy; and the same written probability on the product split's tasks, the letter templates'
+and the others' apart (`--letter-weight`: their draw weight in mid-training, the demo's 4 by
+default). Where the score first reaches `--target` is where `flywheel demo` stops mid-training.
 
     .venv/bin/python bench/midtrain_curve.py [--steps 800] [--from 450] [--every 25]
+                                             [--letter-weight 4]
 
 Ends with one JSON line: {"bench": "midtrain_curve", "checks": [...], "target": ...,
-"first_step_at_target": ..., "held_out_pass_at_0.7_there": ...}.
+"letter_weight": ..., "first_step_at_target": ..., "held_out_pass_at_0.7_there": ...}.
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli.demo_loop import MIDTRAIN_UNTIL, DemoPlan, demo_settings  # noqa: E402
+from app.cli.demo_loop import (  # noqa: E402
+    LETTER_WEIGHT,
+    MIDTRAIN_UNTIL,
+    DemoPlan,
+    demo_settings,
+)
 from app.settings import Settings  # noqa: E402
 from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
+from simulate.task_templates import LETTER_FAMILIES  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
 from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
 from trainer.bootstrap.midtrain import QualityStop  # noqa: E402
@@ -42,6 +51,7 @@ class Curve(QualityStop):
 
     cfg: BootstrapSettings = dataclasses.field(default_factory=BootstrapSettings)
     held_out: list[Task] = dataclasses.field(default_factory=list)
+    product: dict[str, list[Task]] = dataclasses.field(default_factory=dict)  # by group
     start: int = 0
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     cache: SandboxCache = dataclasses.field(default_factory=SandboxCache)
@@ -56,11 +66,12 @@ class Curve(QualityStop):
             return 0.0
         began = time.monotonic()
         unseen = super().score(policy, rows)
-        held_out = QualityStop(self.held_out, self.target, self.temperature, self.every)
-        written = held_out.score(policy, held_out.rows(ChatTokens(policy.tokenizer)))
-        record: dict[str, Any] = {"step": step, "unseen_written": round(unseen, 3),
-                                  "held_out_written": round(written, 3),
-                                  "check_s": round(time.monotonic() - began, 2)}
+        record: dict[str, Any] = {"step": step, "unseen_written": round(unseen, 3)}
+        for name, tasks in {"held_out": self.held_out, **self.product}.items():
+            check = QualityStop(tasks, self.target, self.temperature, self.every)
+            written = check.score(policy, check.rows(ChatTokens(policy.tokenizer)))
+            record[f"{name}_written"] = round(written, 3)
+        record["check_s"] = round(time.monotonic() - began, 2)
         if (step - self.start) % (2 * self.every) == 0:
             engine = make_engine(policy, self.cfg, seed=self.cfg.seed)
             try:
@@ -88,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="start", type=int, default=450)
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--target", type=float, default=MIDTRAIN_UNTIL)
+    parser.add_argument("--letter-weight", type=float, default=LETTER_WEIGHT)
     args = parser.parse_args(argv)
 
     settings = demo_settings(Settings(data_dir=Path(tempfile.mkdtemp())), DemoPlan())
-    cfg = settings.bootstrap.model_copy(update={"midtrain_until": args.target})
+    cfg = settings.bootstrap.model_copy(update={
+        "midtrain_until": args.target,
+        "midtrain_family_weights": dict.fromkeys(LETTER_FAMILIES, args.letter_weight)})
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(init_model(settings.model, settings.data_dir / "base"),
@@ -101,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     random.Random(cfg.seed).shuffle(held_out)
     stop = quality_stop(cfg, source)
     assert stop is not None
+    product = [t for t in source.split("product") if t.canonical_solution]
+    groups = {"product_letters": [t for t in product if t.family in LETTER_FAMILIES],
+              "product_others": [t for t in product if t.family not in LETTER_FAMILIES]}
     curve = Curve(stop.tasks, 2.0, stop.temperature, args.every, cfg=cfg, held_out=held_out,
-                  start=args.start)  # target 2.0: never reached, every check recorded
+                  product=groups, start=args.start)  # target 2.0: never reached
     midtrain_on(policy, cfg, corpus_tasks(cfg, source, source.split("train")),
                 steps=args.steps, stop=curve)
     checks = [r for r in curve.records if "unseen_written" in r]
@@ -111,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     if there and r["step"] >= there["step"] and "held_out_pass_at_0.7" in r),
                    None)
     print(json.dumps({"bench": "midtrain_curve", "checks": checks, "target": args.target,
+                      "letter_weight": args.letter_weight,
                       "first_step_at_target": there and there["step"],
                       "held_out_pass_at_0.7_there": sampled}))
     return 0

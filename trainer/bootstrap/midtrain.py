@@ -11,7 +11,6 @@ parameter values right.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -73,7 +72,7 @@ class DemonstrationCorpus:
 
     windows: list[tuple[list[int], list[int]]]  # (token ids, loss mask)
     families: list[str | None]
-    cumulative: list[float]  # running sum of the windows' draw weights
+    weights: list[float]  # each window's draw weight
 
     @classmethod
     def of(cls, chat: ChatTokens, tasks: list[Task], *, family_weights: dict[str, float],
@@ -83,13 +82,16 @@ class DemonstrationCorpus:
         pairs = [(window, t.family) for t in tasks if t.demonstrable
                  for window in windows(chat, t, context_budget=context_budget,
                                        max_summaries=max_summaries)]
-        weights = [family_weights.get(family or "", 1.0) for _, family in pairs]
         return cls([w for w, _ in pairs], [f for _, f in pairs],
-                   list(itertools.accumulate(weights)))
+                   [family_weights.get(f or "", 1.0) for _, f in pairs])
 
     def draw(self, rng: random.Random, k: int) -> Rows:
-        """`k` windows drawn with replacement by their weights."""
-        drawn = rng.choices(self.windows, cum_weights=self.cumulative, k=k)
+        """`k` windows drawn with replacement by their weights (uniform ones drawn as before
+        there were weights: the same windows for the same seed)."""
+        if all(w == 1.0 for w in self.weights):
+            drawn = [self.windows[rng.randrange(len(self.windows))] for _ in range(k)]
+        else:
+            drawn = rng.choices(self.windows, weights=self.weights, k=k)
         return Rows([ids for ids, _ in drawn], [mask for _, mask in drawn])
 
 

@@ -155,3 +155,7 @@ def test_a_weighted_family_is_drawn_that_many_times_as_often(model_dir: Path) ->
     share = sum(tuple(ids) in letter_ids
                 for ids in unweighted.draw(random.Random(0), 4000).sequences) / 4000
     assert share == pytest.approx(0.5, abs=0.03)
+    # unweighted, the draws are those mid-training made before there were weights
+    rng = random.Random(7)
+    before = [unweighted.windows[rng.randrange(10)][0] for _ in range(6)]
+    assert unweighted.draw(random.Random(7), 6).sequences == before
