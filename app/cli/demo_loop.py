@@ -44,8 +44,9 @@ if TYPE_CHECKING:  # the developers' process pulls in the openai client: the dem
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.15 at 0.7, the letter templates' demonstrations drawn four times as often
-# as the others' (docs/bootstrap.md): a start that copies integers and letters alike and has
-# room to learn on both measures (docs/demo.md has the runs)
+# as the others' (docs/bootstrap.md): a start that copies integers and letters alike, so that
+# every template of the developers' traffic can learn from their verdicts (at the old start,
+# 0.3 and unweighted, the letters, 28% of it, never did; docs/demo.md has both starts' runs)
 MIDTRAIN_UNTIL = 0.15
 LETTER_WEIGHT = 4.0
 
