@@ -48,7 +48,10 @@ def open_database(url: str, tables: Sequence[Table] | None = None) -> Engine:
 def _sqlite_connected(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None  # the driver's own BEGIN off: the "begin" event's instead
     cursor = dbapi_conn.cursor()
-    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000",
+    # the busy timeout first: switching to WAL takes a lock, and a process starting while
+    # another writes (a join member restarted beside its peer) waited the driver's 5 s for it,
+    # then failed with "database is locked"
+    for pragma in ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL",
                    # 64 MiB of page cache, not 2: the indexes of feedback event ids (random)
                    # grow for good, and past the cache each insert reads pages back
                    "cache_size=-65536"):
