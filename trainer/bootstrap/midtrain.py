@@ -11,6 +11,7 @@ parameter values right.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -68,30 +69,31 @@ class QualityStop:
 
 @dataclass(frozen=True)
 class DemonstrationCorpus:
-    """Every context window of the tasks' demonstrations, each with its task's family."""
+    """Every context window of the tasks' demonstrations, and how often each is drawn."""
 
     windows: list[tuple[list[int], list[int]]]  # (token ids, loss mask)
-    families: list[str | None]
-    weights: list[float]  # each window's draw weight
+    cumulative: list[float] | None  # running sum of the windows' draw weights; None: all 1
 
     @classmethod
     def of(cls, chat: ChatTokens, tasks: list[Task], *, family_weights: dict[str, float],
            context_budget: int | None = None, max_summaries: int = 0) -> DemonstrationCorpus:
         """A window of a task whose family is in `family_weights` is drawn that many times as
         often as one of another family (weight 1)."""
-        pairs = [(window, t.family) for t in tasks if t.demonstrable
+        pairs = [(window, family_weights.get(t.family or "", 1.0))
+                 for t in tasks if t.demonstrable
                  for window in windows(chat, t, context_budget=context_budget,
                                        max_summaries=max_summaries)]
-        return cls([w for w, _ in pairs], [f for _, f in pairs],
-                   [family_weights.get(f or "", 1.0) for _, f in pairs])
+        uniform = all(weight == 1.0 for _, weight in pairs)
+        return cls([window for window, _ in pairs],
+                   None if uniform else list(itertools.accumulate(w for _, w in pairs)))
 
     def draw(self, rng: random.Random, k: int) -> Rows:
         """`k` windows drawn with replacement by their weights (uniform ones drawn as before
         there were weights: the same windows for the same seed)."""
-        if all(w == 1.0 for w in self.weights):
+        if self.cumulative is None:
             drawn = [self.windows[rng.randrange(len(self.windows))] for _ in range(k)]
         else:
-            drawn = rng.choices(self.windows, weights=self.weights, k=k)
+            drawn = rng.choices(self.windows, cum_weights=self.cumulative, k=k)
         return Rows([ids for ids, _ in drawn], [mask for _, mask in drawn])
 
 

@@ -146,12 +146,13 @@ def test_a_weighted_family_is_drawn_that_many_times_as_often(model_dir: Path) ->
     others = [t for t in tasks if t.family == "add_{p}"][:5]
     corpus = DemonstrationCorpus.of(chat, letters + others,
                                     family_weights={"count_char_{p}": 4.0})
-    assert corpus.families == ["count_char_{p}"] * 5 + ["add_{p}"] * 5
+    assert corpus.cumulative == [4.0, 8.0, 12.0, 16.0, 20.0, 21.0, 22.0, 23.0, 24.0, 25.0]
     letter_ids = {tuple(ids) for ids, _ in corpus.windows[:5]}
     drawn = corpus.draw(random.Random(0), 4000)
     share = sum(tuple(ids) in letter_ids for ids in drawn.sequences) / 4000
     assert share == pytest.approx(0.8, abs=0.03)  # 4 x 5 against 1 x 5
     unweighted = DemonstrationCorpus.of(chat, letters + others, family_weights={})
+    assert unweighted.cumulative is None
     share = sum(tuple(ids) in letter_ids
                 for ids in unweighted.draw(random.Random(0), 4000).sequences) / 4000
     assert share == pytest.approx(0.5, abs=0.03)
