@@ -4,15 +4,17 @@ Mid-trains the default model as the demo's bootstrap does and, every `--every` s
 `--from`, measures `QualityStop`'s score (the mean probability, at 0.7, of writing the first
 call of each unseen practice task: one forward pass) and the same on the held-out split; every
 second check also runs the held-out episodes with the harness: pass@1 at 0.7 (two seeds) and
-greedy; and the same written probability on the product split's tasks, the letter templates'
-and the others' apart (`--letter-weight`: their draw weight in mid-training, the demo's 4 by
-default). Where the score first reaches `--target` is where `flywheel demo` stops mid-training.
+greedy; and the same written probability on the product split's tasks, the letter templates',
+the single-digit values' and the others' apart (`--letter-weight`, `--digit-weight`: the letter
+and the digit practice templates' draw weights in mid-training, the demo's by default). Where
+the score first reaches `--target` is where `flywheel demo` stops mid-training.
 
     .venv/bin/python bench/midtrain_curve.py [--steps 800] [--from 450] [--every 25]
-                                             [--letter-weight 4]
+                                             [--letter-weight 4] [--digit-weight 8]
 
 Ends with one JSON line: {"bench": "midtrain_curve", "checks": [...], "target": ...,
-"letter_weight": ..., "first_step_at_target": ..., "held_out_pass_at_0.7_there": ...}.
+"letter_weight": ..., "digit_weight": ..., "first_step_at_target": ...,
+"held_out_pass_at_0.7_there": ...}.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -30,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.cli.demo_loop import (  # noqa: E402
+    DIGIT_WEIGHT,
     LETTER_WEIGHT,
     MIDTRAIN_UNTIL,
     DemoPlan,
@@ -38,7 +42,7 @@ from app.cli.demo_loop import (  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
-from simulate.task_templates import LETTER_FAMILIES  # noqa: E402
+from simulate.task_templates import DIGIT_FAMILIES, LETTER_FAMILIES  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
 from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
 from trainer.bootstrap.midtrain import QualityStop  # noqa: E402
@@ -87,6 +91,11 @@ class Curve(QualityStop):
         return unseen
 
 
+def single_digit(task: Task) -> bool:
+    """Whether the task's value is a single digit (`add_3`, `clamp_0_7`; not clamp's 0)."""
+    return re.search(r"(?<![\d.])[1-9](?!\d)", task.canonical_solution or "") is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -100,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--target", type=float, default=MIDTRAIN_UNTIL)
     parser.add_argument("--letter-weight", type=float, default=LETTER_WEIGHT)
+    parser.add_argument("--digit-weight", type=float, default=DIGIT_WEIGHT)
     args = parser.parse_args(argv)
 
     settings = demo_settings(Settings(data_dir=Path(tempfile.mkdtemp())), DemoPlan())
     cfg = settings.bootstrap.model_copy(update={
         "midtrain_until": args.target,
-        "midtrain_family_weights": dict.fromkeys(LETTER_FAMILIES, args.letter_weight)})
+        "midtrain_family_weights": (dict.fromkeys(LETTER_FAMILIES, args.letter_weight)
+                                    | dict.fromkeys(DIGIT_FAMILIES, args.digit_weight))})
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(init_model(settings.model, settings.data_dir / "base"),
@@ -116,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = quality_stop(cfg, source)
     assert stop is not None
     product = [t for t in source.split("product") if t.canonical_solution]
-    groups = {"product_letters": [t for t in product if t.family in LETTER_FAMILIES],
-              "product_others": [t for t in product if t.family not in LETTER_FAMILIES]}
+    letters = [t for t in product if t.family in LETTER_FAMILIES]
+    digits = [t for t in product if t not in letters and single_digit(t)]
+    groups = {"product_letters": letters, "product_digits": digits,
+              "product_others": [t for t in product if t not in letters + digits]}
     curve = Curve(stop.tasks, 2.0, stop.temperature, args.every, cfg=cfg, held_out=held_out,
                   product=groups, start=args.start)  # target 2.0: never reached
     midtrain_on(policy, cfg, corpus_tasks(cfg, source, source.split("train")),
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     if there and r["step"] >= there["step"] and "held_out_pass_at_0.7" in r),
                    None)
     print(json.dumps({"bench": "midtrain_curve", "checks": checks, "target": args.target,
-                      "letter_weight": args.letter_weight,
+                      "letter_weight": args.letter_weight, "digit_weight": args.digit_weight,
                       "first_step_at_target": there and there["step"],
                       "held_out_pass_at_0.7_there": sampled}))
     return 0

@@ -1,8 +1,8 @@
 """The built-in one-line tasks' templates: what `simulate.tasks.BuiltinTaskSource` fills.
 
 `TEMPLATES` are the task families (each filled with its parameter grid), `SINGLES` one-off
-tasks, `LETTER_PRACTICE` templates that exist only as mid-training practice, and
-`UNSEEN_TEMPLATES` the families held out whole (`held_out_family`).
+tasks, `LETTER_PRACTICE` and `DIGIT_PRACTICE` templates that exist only as mid-training practice,
+and `UNSEEN_TEMPLATES` the families held out whole (`held_out_family`).
 """
 
 from __future__ import annotations
@@ -80,9 +80,26 @@ LETTER_PRACTICE = (
 )
 
 
+# Practice-only templates: a single digit copied from the docstring. The task templates' practice
+# values are the numbers above their ranges (`add_31`, `mul_10`, `add_101`), so every practice
+# number has two or three digits, and a model mid-trained on them writes `x + 30` for `add_3` and
+# `s * 20` for `repeat_str_2` (docs/bootstrap.md); every single digit is some template's task
+# value, so a single digit can be practised only in forms no task has.
+DIGITS = tuple(range(1, 10))
+DIGIT_PRACTICE = (
+    Template("floor_div_{p}", "x", "Return x divided by {p}, rounded down.", "x // {p}", DIGITS),
+    Template("power_{p}", "x", "Return x to the power {p}.", "x ** {p}", DIGITS),
+    Template("shift_left_{p}", "x", "Return x shifted left by {p} bits.", "x << {p}", DIGITS),
+    Template("repeat_list_{p}", "xs", "Return xs repeated {p} times.", "xs * {p}", DIGITS),
+    Template("every_{p}_items", "xs", "Return every {p}-th item of xs, from the first.",
+             "xs[::{p}]", DIGITS),
+)
+
+
 # the templates whose parameter is a lower-case letter: the last kind of value a tiny model
 # learns to copy (mid-training draws their demonstrations more often: BootstrapSettings)
 LETTER_FAMILIES = tuple(t.name for t in (*TEMPLATES, *LETTER_PRACTICE) if t.params == LETTERS)
+DIGIT_FAMILIES = tuple(t.name for t in DIGIT_PRACTICE)
 
 
 # Unseen templates: kinds of task in no other split, no demonstration and no practice task,

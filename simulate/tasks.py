@@ -47,6 +47,7 @@ from simulate.package_tasks import (
 )
 from simulate.sandbox import SandboxJob, SandboxLimits
 from simulate.task_templates import (
+    DIGIT_PRACTICE,
     LETTER_PRACTICE,
     SINGLES,
     TEMPLATES,
@@ -235,12 +236,13 @@ def _practice_params(params: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _practice_specs() -> list[_Spec]:
-    """The templates with their practice values, and the letter-only practice templates.
-    Lower-case letters are the last values a tiny model learns to copy: with upper-case
-    letters as the letter templates' practice values it wrote an upper-case letter for every
-    held-out lower-case one (docs/bootstrap.md)."""
+    """The templates with their practice values, and the letter-only and digit-only practice
+    templates. Lower-case letters are the last values a tiny model learns to copy: with
+    upper-case letters as the letter templates' practice values it wrote an upper-case letter
+    for every held-out lower-case one; with only numbers of two or three digits to practise,
+    a ten for every single digit (docs/bootstrap.md)."""
     return [spec for t in TEMPLATES for spec in _fill(t, _practice_params(t.params))] + [
-        spec for t in LETTER_PRACTICE for spec in _fill(t, t.params)]
+        spec for t in (*LETTER_PRACTICE, *DIGIT_PRACTICE) for spec in _fill(t, t.params)]
 
 
 def _inputs(arg: str, body: str, rng: random.Random, count: int) -> list[object]:

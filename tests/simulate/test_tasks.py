@@ -70,9 +70,10 @@ def test_practice_tasks_share_templates_but_no_task_or_value(builtin: list[Task]
     assert not {t.task_id for t in practice} & {t.task_id for t in builtin}
     names = {t.entry_point for t in practice}
     # above the range, three digits ending in its values; lower-case pairs; indices; and
-    # lower-case letters copied in templates that are no task's
+    # lower-case letters and single digits copied in templates that are no task's
     assert {"add_31", "add_112", "count_char_ab", "append_char_ah", "item_3",
-            "prepend_char_e", "remove_char_q", "starts_with_char_z"} <= names
+            "prepend_char_e", "remove_char_q", "starts_with_char_z", "floor_div_3",
+            "power_2", "repeat_list_9", "every_4_items"} <= names
     assert "add_30" not in names and "count_char_a" not in names
     assert all(t.family is not None for t in practice)
     assert all(passes_in_process(t, t.canonical_solution or "") for t in practice[::7])
