@@ -81,6 +81,12 @@ class DemoPlan:
     # test decides (0: no canary): at one half a candidate 5 points better is promoted after
     # a median 254 sessions of both arms (a simulation of `CanaryTest` at the defaults)
     canary_share: float = 0.5
+    # a canary undecided after this many candidate sessions is held (the product's default:
+    # 4000), and the demo, as its operator, rolls the candidate back: not shown no worse. Near
+    # the test's point of indifference (worse by half the margin) it can wander for thousands
+    # of sessions: one candidate 6 points worse sat undecided for 2,900 on a slow VM, the demo
+    # waiting on it (docs/demo.md); decided canaries took at most 900 candidate sessions so far
+    canary_max_sessions: int = 1500
 
 
 def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
@@ -113,7 +119,8 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     # training: at beta 0.05 per metric, 2 of 23 canaries in four runs (26% against 52% on an
     # equal candidate's first 65 sessions); at 0.01 a worse one takes longer to go
     canary = settings.release.canary.model_copy(update={
-        "enabled": plan.canary_share > 0, "share": plan.canary_share or 0.5, "beta": 0.01})
+        "enabled": plan.canary_share > 0, "share": plan.canary_share or 0.5, "beta": 0.01,
+        "max_sessions": plan.canary_max_sessions})
     release = settings.release.model_copy(update={"canary": canary})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
@@ -249,6 +256,24 @@ class LiveView:
         reply.raise_for_status()
         return sorted(reply.json(), key=lambda c: c["version"])
 
+    def end_held(self) -> list[str]:
+        """Roll back every held canary, as the demo's operator (an admin decides a held
+        canary; the demo takes the safe side); a line for each."""
+        lines = []
+        for canary in self.canaries():
+            if canary["status"] != "held":
+                continue
+            sessions = (canary["figures"].get("acceptance") or {}).get("candidate_sessions")
+            reply = self.http.post(f"/admin/releases/{canary['version']}/rollback", json={
+                "requested_by": "demo", "reason": f"held undecided after {sessions} candidate "
+                                                  f"sessions: rolled back by the demo"})
+            if reply.status_code == 409:  # ended meanwhile
+                continue
+            reply.raise_for_status()
+            lines.append(f"canary v{canary['version']} held after {sessions} candidate "
+                         f"sessions: the demo rolls it back")
+        return lines
+
     def breaches(self) -> list[dict[str, Any]]:
         """The reward-hacking monitors' breaches, newest first."""
         reply = self.http.get("/admin/trainer")
@@ -279,6 +304,9 @@ class LiveView:
                               f"{b['threshold']}), e.g. sessions {', '.join(b['sessions'][:3])}")
                 served = self._served_version()
                 rows = self.releases()
+                if any(r["status"] == "canary" for r in rows):
+                    for line in self.end_held():
+                        bar.write(line)
                 for row in rows:  # a line when a candidate is refused, put in its canary,
                     key = (row["version"], row["status"])  # promoted or rolled back
                     if row["version"] > 0 and key not in seen and row["status"] != "candidate":

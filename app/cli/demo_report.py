@@ -37,6 +37,7 @@ def canary_decision(canary: dict[str, Any]) -> dict[str, Any]:
     """A canary for the JSON line: its decision and the acceptance test's figures."""
     f = canary["figures"].get("acceptance") or {}
     return {"version": canary["version"], "decision": canary["status"],
+            "decided_by": canary["decided_by"],
             "candidate_sessions": f.get("candidate_sessions"),
             "incumbent_sessions": f.get("incumbent_sessions"),
             **{k: round(f[k], 4) for k in ("candidate_mean", "incumbent_mean", "difference",

@@ -131,6 +131,8 @@ DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
     "--temperature": ("temperature", float, "the developers' sampling temperature"),
     "--canary-share": ("canary_share", float, "share of sessions a release serves until its "
                        "canary's test decides (0: no canary)"),
+    "--canary-max-sessions": ("canary_max_sessions", int, "candidate sessions after which an "
+                              "undecided canary is held, and the demo rolls it back"),
     "--loop-seconds": ("max_loop_s", float,
                        "a safety stop: most seconds of live traffic, whatever was reached"),
 }
