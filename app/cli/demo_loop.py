@@ -6,7 +6,8 @@
 2. Serve it as version 0: the stack (broker, API with the torch engine and its release
    follower), the join (sessions x feedback -> experiences), the online trainer with the
    release pipeline as its sink (eval gate: held-out pass@1, then a canary: half the sessions
-   on the candidate until the users' verdicts promote it or roll it back).
+   on the candidate until the users' verdicts promote it or roll it back; one they leave
+   undecided is held at its cap, and the demo, as its admin, rolls it back).
 3. Simulated developers (simulate/developers.py) work on the product split of the tasks
    through the public HTTP API, one chat completion per agent turn, and send a signed verdict
    per session. The trainer learns from the joined verdicts and hands its weights to the
