@@ -38,11 +38,12 @@ from app.cli.demo_loop import (  # noqa: E402
     MIDTRAIN_UNTIL,
     DemoPlan,
     demo_settings,
+    family_weights,
 )
 from app.settings import Settings  # noqa: E402
 from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
-from simulate.task_templates import DIGIT_FAMILIES, LETTER_FAMILIES  # noqa: E402
+from simulate.task_templates import LETTER_FAMILIES  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
 from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
 from trainer.bootstrap.midtrain import QualityStop  # noqa: E402
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = demo_settings(Settings(data_dir=Path(tempfile.mkdtemp())), DemoPlan())
     cfg = settings.bootstrap.model_copy(update={
         "midtrain_until": args.target,
-        "midtrain_family_weights": (dict.fromkeys(LETTER_FAMILIES, args.letter_weight)
-                                    | dict.fromkeys(DIGIT_FAMILIES, args.digit_weight))})
+        "midtrain_family_weights": family_weights(args.letter_weight, args.digit_weight)})
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     policy = Policy.load(init_model(settings.model, settings.data_dir / "base"),

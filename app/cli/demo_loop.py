@@ -56,6 +56,11 @@ LETTER_WEIGHT = 4.0
 DIGIT_WEIGHT = 8.0
 
 
+def family_weights(letter: float = LETTER_WEIGHT, digit: float = DIGIT_WEIGHT) -> dict[str, float]:
+    """Mid-training's draw weights: the letter templates' and the digit practice templates'."""
+    return dict.fromkeys(LETTER_FAMILIES, letter) | dict.fromkeys(DIGIT_FAMILIES, digit)
+
+
 @dataclass(frozen=True)
 class DemoPlan:
     """The demo's budget (`flywheel demo --help` sets each): a quality for version 0 and counts
@@ -125,8 +130,7 @@ def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     release = settings.release.model_copy(update={"canary": canary})
     bootstrap = settings.bootstrap.model_copy(update={
         "midtrain_steps": plan.midtrain_steps, "midtrain_until": plan.midtrain_until or None,
-        "midtrain_family_weights": (dict.fromkeys(LETTER_FAMILIES, LETTER_WEIGHT)
-                                    | dict.fromkeys(DIGIT_FAMILIES, DIGIT_WEIGHT)),
+        "midtrain_family_weights": family_weights(),
         "midtrain_check_every": 10,  # the score goes from 10% to 35% in about 50 steps
         "max_steps": plan.grpo_steps,
         # validation scored before and after GRPO: the better becomes version 0
