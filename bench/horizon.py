@@ -20,7 +20,8 @@ binomial over its episodes): a gap below it is not one. `turns_per_episode` and
 
 Ends with one JSON line: {"bench": "horizon", "summarize_pass_at_1": ..., "truncate_pass_at_1":
 ..., "noise": ..., "turns_per_episode": ..., "summaries_per_episode": ..., "truncate_turns_per_
-episode": ..., "held_out_tasks": ..., "midtrain_steps": ..., "grpo_steps": ..., "wall_s": {...}}.
+episode": ..., "summarize_reward": ..., "truncate_reward": ..., "reward_noise": ...,
+"held_out_tasks": ..., "midtrain_steps": ..., "grpo_steps": ..., "wall_s": {...}}.
 """
 
 from __future__ import annotations
@@ -46,13 +47,18 @@ TEMPERATURE = 0.7  # the held-out episodes', as the developers' and the eval gat
 
 def score(policy: Any, cfg: BootstrapSettings, tasks: list[Task], *,
           samples: int) -> dict[str, float]:
-    """pass@1 over `samples` seeded episodes per task at `TEMPERATURE`, and their shape."""
+    """pass@1 over `samples` seeded episodes per task at `TEMPERATURE`, the mean reward (the
+    partial credit below a solve: 0.5 x the share of hidden tests passed) with its variance,
+    and their shape."""
     from simulate.rollouts import SandboxCache, episode_shape, solved
     from trainer.bootstrap.local_engine import sample_episodes
 
     episodes = sample_episodes(policy, cfg, tasks, samples=samples, cache=SandboxCache(),
                                temperature=TEMPERATURE)
+    rewards = [t.reward for t in episodes]
+    mean = sum(rewards) / len(rewards)
     return {"pass_at_1": sum(solved(t) for t in episodes) / len(episodes),
+            "reward": mean, "reward_var": sum((r - mean) ** 2 for r in rewards) / len(rewards),
             "episodes": len(episodes), **episode_shape(episodes)}
 
 
@@ -116,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         "turns_per_episode": round(summarize["turns_per_episode"], 2),
         "summaries_per_episode": round(summarize["summaries_per_episode"], 2),
         "truncate_turns_per_episode": round(truncate["turns_per_episode"], 2),
+        # the partial credit: it separates the modes where neither solves a held-out task
+        "summarize_reward": round(summarize["reward"], 4),
+        "truncate_reward": round(truncate["reward"], 4),
+        "reward_noise": round(1.96 * math.sqrt((summarize["reward_var"] + truncate["reward_var"])
+                                               / max(1, int(summarize["episodes"]))), 4),
         "held_out_tasks": len(held_out), "midtrain_steps": args.midtrain_steps,
         "grpo_steps": args.grpo_steps, "wall_s": wall}))
     return 0
