@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -55,16 +56,17 @@ def score(policy: Any, cfg: BootstrapSettings, tasks: list[Task], *,
 
     episodes = sample_episodes(policy, cfg, tasks, samples=samples, cache=SandboxCache(),
                                temperature=TEMPERATURE)
+    passes = [float(solved(t)) for t in episodes]
     rewards = [t.reward for t in episodes]
-    mean = sum(rewards) / len(rewards)
-    return {"pass_at_1": sum(solved(t) for t in episodes) / len(episodes),
-            "reward": mean, "reward_var": sum((r - mean) ** 2 for r in rewards) / len(rewards),
+    return {"pass_at_1": statistics.fmean(passes), "pass_var": statistics.pvariance(passes),
+            "reward": statistics.fmean(rewards), "reward_var": statistics.pvariance(rewards),
             "episodes": len(episodes), **episode_shape(episodes)}
 
 
-def noise(a: float, b: float, n: int) -> float:
-    """1.96 x the standard error of the difference of two pass rates over `n` episodes each."""
-    return 1.96 * math.sqrt((a * (1 - a) + b * (1 - b)) / max(1, n))
+def noise(var_a: float, var_b: float, n: int) -> float:
+    """1.96 x the standard error of the difference of two means over `n` episodes each, from
+    the episodes' variances (a pass rate's is p(1 - p), a binomial's)."""
+    return 1.96 * math.sqrt((var_a + var_b) / max(1, n))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,20 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         print(mode, json.dumps(results[mode]), flush=True)
 
     summarize, truncate = results["summarize"], results["truncate"]
+    episodes = int(summarize["episodes"])
     print(json.dumps({
         "bench": "horizon",
         "summarize_pass_at_1": round(summarize["pass_at_1"], 4),
         "truncate_pass_at_1": round(truncate["pass_at_1"], 4),
-        "noise": round(noise(summarize["pass_at_1"], truncate["pass_at_1"],
-                             int(summarize["episodes"])), 4),
+        "noise": round(noise(summarize["pass_var"], truncate["pass_var"], episodes), 4),
         "turns_per_episode": round(summarize["turns_per_episode"], 2),
         "summaries_per_episode": round(summarize["summaries_per_episode"], 2),
         "truncate_turns_per_episode": round(truncate["turns_per_episode"], 2),
         # the partial credit: it separates the modes where neither solves a held-out task
         "summarize_reward": round(summarize["reward"], 4),
         "truncate_reward": round(truncate["reward"], 4),
-        "reward_noise": round(1.96 * math.sqrt((summarize["reward_var"] + truncate["reward_var"])
-                                               / max(1, int(summarize["episodes"]))), 4),
+        "reward_noise": round(noise(summarize["reward_var"], truncate["reward_var"], episodes),
+                              4),
         "held_out_tasks": len(held_out), "midtrain_steps": args.midtrain_steps,
         "grpo_steps": args.grpo_steps, "wall_s": wall}))
     return 0
