@@ -24,9 +24,13 @@ every core, and the faster counts.
 Inference keys' cost: tokens/s at c=32 with every request's key checked against the same
 requests with keys off, alternated on the in-process API (`ratio_keys_c32`).
 
-Function calling's cost: tokens/s of the same requests with a named `tool_choice` (each token
-sampled under the call grammar's mask, serving/grammar.py) against free text, at c=1 and c=32:
-`ratio_tools_c1`, `ratio_tools_c32`.
+Function calling's cost, at c=1 and c=32: tokens/s of requests with a named `tool_choice` (each
+token sampled under the call grammar's mask, serving/grammar.py) against the same requests, the
+same tools in the prompt, at `tool_choice` "auto" (free text, no grammar): the constraint's
+cost, `ratio_tools_c1`, `ratio_tools_c32`; and "auto" against the requests without tools: what
+the tools' schemas in the prompt cost (36 more prompt tokens here, prefilled by every request
+of a burst that arrives before the first is cached), `ratio_tools_prompt_c1`,
+`ratio_tools_prompt_c32`.
 
 Then the same at c=1 and c=32 on a ~124M-parameter model of the same family (`flywheel
 init-model --large`), where compute rather than per-op overhead sets the pace: the `large_`
@@ -84,16 +88,18 @@ WRITE_FILE = {"type": "function", "function": {
         "required": ["path", "content"]}}}
 NAMED = {"tools": [WRITE_FILE], "tool_choice": {"type": "function",
                                                 "function": {"name": "write_file"}}}
+AUTO = {"tools": [WRITE_FILE], "tool_choice": "auto"}  # the same prompt, no grammar
 
 
-def body(i: int, max_tokens: int, *, tools: bool = False) -> dict[str, Any]:
+def body(i: int, max_tokens: int, *, tools: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Request i; `tools`: the request's tools fields (NAMED, AUTO), None for none."""
     return {"model": "flywheel", "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
             "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-            **(NAMED if tools else {})}
+            **(tools or {})}
 
 
 async def load(base_url: str, concurrency: int, n: int, max_tokens: int, *,
-               tools: bool = False, headers: dict[str, str] | None = None
+               tools: dict[str, Any] | None = None, headers: dict[str, str] | None = None
                ) -> tuple[float, list[float], int]:
     """(wall seconds, per-request latencies in s, output tokens) for n requests."""
     import httpx
@@ -201,6 +207,7 @@ def main() -> int:
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
     use_vllm = args.vllm and importlib.util.find_spec("vllm") is not None
+    result: dict[str, Any]
     if args.family != "qwen3_moe":
         result = {"bench": "serving", "family": args.family}
         large_rounds(result, data_dir, args.max_tokens, vllm=use_vllm, family=args.family,
@@ -209,8 +216,7 @@ def main() -> int:
         return 0
     settings = Settings(data_dir=data_dir, port=free_port())
     init_model(settings.model, settings.resolved_model_dir)
-    result: dict[str, Any] = {"bench": "serving", "tokens_per_s": {}, "p50_ms": {},
-                              "p99_ms": {}}
+    result = {"bench": "serving", "tokens_per_s": {}, "p50_ms": {}, "p99_ms": {}}
     from bench.servers import flywheel_up
 
     with flywheel_up(data_dir / "up-rates", settings.resolved_model_dir) as url:
@@ -222,7 +228,9 @@ def main() -> int:
         base_url = f"http://{settings.host}:{settings.port}"
         try:
             asyncio.run(load(base_url, 8, 16, args.max_tokens))  # warm-up
-            real_log, on, off = services.session_log, [], []
+            real_log = services.session_log
+            on: list[float] = []
+            off: list[float] = []
             for _ in range(args.logging_rounds):  # on / off alternated: drift hits both
                 for logging_on, into in ((True, on), (False, off)):
                     services.session_log = real_log if logging_on else DiscardLog()
@@ -305,20 +313,25 @@ def measure(name: str, url: str, counts: dict[int, int], max_tokens: int,
 
 def tool_rounds(url: str, counts: dict[int, int], max_tokens: int, *,
                 into: dict[str, Any]) -> None:
-    """Tokens/s of requests with a named tool_choice (the grammar masks every token) against
-    the same requests in free text, at c=1 and c=32, alternated to cancel drift:
-    `ratio_tools_c1`, `ratio_tools_c32`."""
-    asyncio.run(load(url, 8, 16, max_tokens, tools=True))  # warm-up: grammar compiled
+    """Tokens/s of requests with a named tool_choice (the grammar masks every token), with the
+    same tools at tool_choice "auto" (no grammar) and without tools, at c=1 and c=32,
+    alternated to cancel drift: `ratio_tools_c1`, `ratio_tools_c32` (named against auto: the
+    constraint), `ratio_tools_prompt_c1`, `ratio_tools_prompt_c32` (auto against none: the
+    schemas in the prompt)."""
+    arms: dict[str, dict[str, Any] | None] = {"none": None, "auto": AUTO, "named": NAMED}
+    asyncio.run(load(url, 8, 16, max_tokens, tools=NAMED))  # warm-up: grammar compiled
     for c in (1, 32):
-        rates: dict[bool, list[float]] = {False: [], True: []}
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
         for _ in range(2):
-            for tools in (False, True):
+            for arm, tools in arms.items():
                 wall, _, tokens = asyncio.run(load(url, c, counts[c], max_tokens, tools=tools))
-                rates[tools].append(tokens / wall)
-        free, named = (float(np.mean(rates[k])) for k in (False, True))
-        into[f"ratio_tools_c{c}"] = round(named / free, 2)
-        print(f"named tool_choice c={c:<3} {named:8.1f} tok/s against free text "
-              f"{free:8.1f}: {named / free:.2f}x", flush=True)
+                rates[arm].append(tokens / wall)
+        none, auto, named = (float(np.mean(rates[arm])) for arm in arms)
+        into[f"ratio_tools_c{c}"] = round(named / auto, 2)
+        into[f"ratio_tools_prompt_c{c}"] = round(auto / none, 2)
+        print(f"named tool_choice c={c:<3} {named:8.1f} tok/s against auto {auto:8.1f}: "
+              f"{named / auto:.2f}x; auto against no tools {none:8.1f}: {auto / none:.2f}x",
+              flush=True)
 
 
 def pauses_under_load(url: str, model_dir: Path, data_dir: Path, max_tokens: int
