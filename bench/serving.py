@@ -88,7 +88,7 @@ WRITE_FILE = {"type": "function", "function": {
         "required": ["path", "content"]}}}
 NAMED = {"tools": [WRITE_FILE], "tool_choice": {"type": "function",
                                                 "function": {"name": "write_file"}}}
-AUTO = {"tools": [WRITE_FILE], "tool_choice": "auto"}  # the same prompt, no grammar
+AUTO = {**NAMED, "tool_choice": "auto"}  # the same tools in the prompt, no grammar
 
 
 def body(i: int, max_tokens: int, *, tools: dict[str, Any] | None = None) -> dict[str, Any]:
