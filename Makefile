@@ -27,7 +27,7 @@ test: $(STAMP)
 		command -v ip >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		chromium chromium-driver iproute2 >/dev/null; }
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)
 bench: $(STAMP)

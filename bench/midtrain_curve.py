@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.cli.demo_loop import (  # noqa: E402
     DIGIT_WEIGHT,
-    LETTER_WEIGHT,
     MIDTRAIN_UNTIL,
     DemoPlan,
     demo_settings,
@@ -45,7 +44,7 @@ from simulate.harness import ChatTokens  # noqa: E402
 from simulate.rollouts import SandboxCache, pass_rate  # noqa: E402
 from simulate.task_templates import LETTER_FAMILIES  # noqa: E402
 from simulate.tasks import Task  # noqa: E402
-from trainer.bootstrap.config import BootstrapSettings  # noqa: E402
+from trainer.bootstrap.config import LETTER_WEIGHT, BootstrapSettings  # noqa: E402
 from trainer.bootstrap.midtrain import QualityStop  # noqa: E402
 from trainer.policy import Policy, Rows  # noqa: E402
 

@@ -26,6 +26,15 @@ from ingest.config import KafkaConfig
 from ingest.log import ensure_topics
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The integration tests first (in file order), the rest after. `make test` runs with
+    `--dist loadfile --no-loadscope-reorder`, which hands files out in this order: the files
+    of one or two minute-long tests start early, and the many short unit files fill both
+    workers' ends (xdist's default order, most tests first, ran those long files last, so
+    one worker often finished minutes before the other)."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/integration/"))
+
+
 def service_reachable(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1.0):

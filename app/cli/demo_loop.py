@@ -39,20 +39,21 @@ from app.cli.stack import running_stack
 from app.settings import Settings
 from serving.config import DEFAULT_PREFIX_CACHE_TOKENS
 from simulate.task_templates import DIGIT_FAMILIES, LETTER_FAMILIES
+from trainer.bootstrap.config import LETTER_WEIGHT
 
 if TYPE_CHECKING:  # the developers' process pulls in the openai client: the demo's alone
     from app.cli.demo_developers import DeveloperProcess
 
 # The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
 # with probability 0.15 at 0.7, the letter templates' demonstrations drawn four times as often
-# as the others' (docs/bootstrap.md): a start that copies integers and letters alike, so that
-# every template of the developers' traffic can learn from their verdicts (at the old start,
-# 0.3 and unweighted, the letters, 28% of it, never did; docs/demo.md has both starts' runs).
+# as the others' (`LETTER_WEIGHT`, as `flywheel bootstrap` does; docs/bootstrap.md): a start
+# that copies integers and letters alike, so that every template of the developers' traffic
+# can learn from their verdicts (at the old start, 0.3 and unweighted, the letters, 28% of
+# it, never did; docs/demo.md has both starts' runs).
 # The single-digit practice templates drawn eight times as often: without them version 0 wrote
 # `x + 30` for `add_3` and passed 14 of the 18 held-out single-digit tasks (a third of the
 # held-out set, and of the traffic) in none of 16 samples, leaving the verdicts nothing to reward
 MIDTRAIN_UNTIL = 0.15
-LETTER_WEIGHT = 4.0
 DIGIT_WEIGHT = 8.0
 
 

@@ -136,10 +136,13 @@ def test_a_weighted_family_is_drawn_that_many_times_as_often(model_dir: Path) ->
     from transformers import AutoTokenizer
 
     from simulate.task_templates import LETTER_FAMILIES
+    from trainer.bootstrap.config import BootstrapSettings
     from trainer.bootstrap.midtrain import DemonstrationCorpus
 
     assert {"count_char_{p}", "append_char_{p}", "prepend_char_{p}"} <= set(LETTER_FAMILIES)
     assert "add_{p}" not in LETTER_FAMILIES
+    # `flywheel bootstrap` weighs the letter templates by default (the last values copied)
+    assert BootstrapSettings().midtrain_family_weights == dict.fromkeys(LETTER_FAMILIES, 4.0)
     chat = ChatTokens(AutoTokenizer.from_pretrained(model_dir))
     tasks = build_task_source(BuiltinTasksConfig()).split("train")
     letters = [t for t in tasks if t.family == "count_char_{p}"][:5]
