@@ -29,9 +29,10 @@ from ingest.log import ensure_topics
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The integration tests first (in file order), the rest after. `make test` runs with
     `--dist loadfile --no-loadscope-reorder`, which hands files out in this order: the files
-    of one or two minute-long tests start early, and the many short unit files fill both
-    workers' ends (xdist's default order, most tests first, ran those long files last, so
-    one worker often finished minutes before the other)."""
+    of one or two minute-long tests start early and the many short unit files come last,
+    where they can fill either worker's end (xdist's default order, most tests first, hands
+    those long files out last). One run each way on a 2-core VM: 1,210 s before, 1,181 s
+    after, within that machine's noise."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/integration/"))
 
 
