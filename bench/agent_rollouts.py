@@ -9,9 +9,12 @@ three ways, alternating them round by round so that a shared machine's drift hit
 - `example_agent`: examples/agents/coding_agent.py (the OpenAI Agents SDK), likewise;
 
 and, with `--command`, the built-in agent started as a process per episode. Prints samples/s
-of each and their ratios to `in_process`; no training.
+of each and their ratios to `in_process`; no training. A first round of each is made untimed
+(`--warm-rounds`): an entry point's warm host starts once in a worker's life (its imports, about
+2 s of CPU for the Agents SDK), which a bootstrap's thousands of episodes share.
 
-    .venv/bin/python bench/agent_rollouts.py [--rounds 3] [--groups 4] [--midtrain-steps 350]
+    .venv/bin/python bench/agent_rollouts.py [--rounds 3] [--warm-rounds 1] [--groups 4]
+                                             [--midtrain-steps 350]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from app.settings import Settings  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warm-rounds", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--groups", type=int, default=4, help="groups made together per round")
     parser.add_argument("--midtrain-steps", type=int, default=350)
     parser.add_argument("--model-dir", type=Path)
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             harness = build_harness(engine, cfg, temperature=cfg.temperature)
             in_process_cache = SandboxCache()
             try:
-                for r in range(args.rounds):
+                for r in range(args.warm_rounds + args.rounds):
+                    timed = r >= args.warm_rounds
                     rng = random.Random(cfg.seed + r)
                     jobs = [RolloutJob(job_id=f"r{r}-{i}", run_id="bench", step=0,
                                        min_version=0, group_size=cfg.group_size,
@@ -96,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
                         began = time.perf_counter()
                         asyncio.run(groups())
-                        seconds[name] += time.perf_counter() - began
+                        if timed:
+                            seconds[name] += time.perf_counter() - began
+                    if not timed:
+                        continue
                     samples += args.groups * cfg.group_size
-                    print(f"round {r + 1}: " + "  ".join(
+                    print(f"round {r + 1 - args.warm_rounds}: " + "  ".join(
                         f"{n} {samples / s:6.2f} samples/s" for n, s in seconds.items()),
                         flush=True)
             finally:
