@@ -13,6 +13,12 @@ of each and their ratios to `in_process`; no training. A first round of each is 
 (`--warm-rounds`): an entry point's warm host starts once in a worker's life (its imports, about
 2 s of CPU for the Agents SDK), which a bootstrap's thousands of episodes share.
 
+Where the machine's CPU went, per sample, for each (`cpu_ms_per_sample`): the engine's thread,
+the endpoint's (HTTP, templates, tokenizing), the rest of the worker's process, and its child
+processes (the agents and their warm hosts, the sandboxes' zygotes and jobs, the broker). The
+in-process harness is bound by the engine's thread; agents add the rest, so on a machine of C
+cores the agents' samples/s can reach at most C / (the sum) while the engine's thread keeps up.
+
     .venv/bin/python bench/agent_rollouts.py [--rounds 3] [--warm-rounds 1] [--groups 4]
                                              [--midtrain-steps 350]
 """
@@ -22,9 +28,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +40,45 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.settings import Settings  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(path: str) -> list[str]:
+    """/proc's stat fields after the command's name (field 3 on)."""
+    with open(path) as f:
+        text = f.read()
+    return text[text.rindex(")") + 2:].split()
+
+
+def cpu_now() -> dict[str, float]:
+    """CPU seconds so far: this process's engine and endpoint threads, the rest of it, and
+    its descendants (each one's own and its reaped children's)."""
+    threads = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"engine": 0.0, "endpoint": 0.0, "rest_of_worker": 0.0, "processes": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            f = _stat(f"/proc/self/task/{tid}/stat")
+        except OSError:  # ended just now
+            continue
+        part = {"engine": "engine", "rollout-endpoint": "endpoint"}.get(
+            threads.get(int(tid), ""), "rest_of_worker")
+        out[part] += (int(f[11]) + int(f[12])) / TICK
+    parents: dict[int, int] = {}
+    fields: dict[int, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields[int(pid)] = f = _stat(f"/proc/{pid}/stat")
+        except OSError:
+            continue
+        parents[int(pid)] = int(f[1])
+    for pid, f in fields.items():
+        up = parents.get(pid)
+        while up and up != os.getpid():
+            up = parents.get(up)
+        if up:
+            out["processes"] += sum(int(x) for x in f[11:15]) / TICK
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = RolloutSampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                max_turns=cfg.max_turns, context_budget=cfg.context_budget)
     seconds = {name: 0.0 for name in ("in_process", *programs)}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in seconds}
     samples = 0
     with open_broker(None) as bootstrap, tempfile.TemporaryDirectory() as tmp:
         kafka = KafkaConfig(bootstrap=bootstrap)
@@ -99,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                                 await asyncio.gather(*(makers[name].group(j)  # noqa: B023
                                                        for j in jobs))  # noqa: B023
 
-                        began = time.perf_counter()
+                        began, cpu_began = time.perf_counter(), cpu_now()
                         asyncio.run(groups())
                         if timed:
                             seconds[name] += time.perf_counter() - began
+                            for part, spent in cpu_now().items():
+                                cpu[name][part] = (cpu[name].get(part, 0.0)
+                                                   + spent - cpu_began[part])
                     if not timed:
                         continue
                     samples += args.groups * cfg.group_size
@@ -120,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_samples_per_s"] = round(rate, 3)
         if name != "in_process":
             result[f"ratio_{name}"] = round(rate / rates["in_process"], 3)
+    result["cpu_ms_per_sample"] = {name: {part: round(1000 * spent / samples, 1)
+                                          for part, spent in parts.items()}
+                                   for name, parts in cpu.items()}
     print(json.dumps(result))
     return 0
 
