@@ -40,44 +40,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.settings import Settings  # noqa: E402
+from bench.proc_cpu import children, cpu_seconds, thread_cpu_seconds  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(path: str) -> list[str]:
-    """/proc's stat fields after the command's name (field 3 on)."""
-    with open(path) as f:
-        text = f.read()
-    return text[text.rindex(")") + 2:].split()
+THREADS = {"engine": "engine", "rollout-endpoint": "endpoint"}  # thread name -> part
 
 
 def cpu_now() -> dict[str, float]:
     """CPU seconds so far: this process's engine and endpoint threads, the rest of it, and
     its descendants (each one's own and its reaped children's)."""
-    threads = {t.native_id: t.name for t in threading.enumerate()}
-    out = {"engine": 0.0, "endpoint": 0.0, "rest_of_worker": 0.0, "processes": 0.0}
-    for tid in os.listdir("/proc/self/task"):
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = dict.fromkeys(("engine", "endpoint", "rest_of_worker", "processes"), 0.0)
+    for tid in map(int, os.listdir("/proc/self/task")):
         try:
-            f = _stat(f"/proc/self/task/{tid}/stat")
-        except OSError:  # ended just now
+            out[THREADS.get(names.get(tid, ""), "rest_of_worker")] += thread_cpu_seconds(tid)
+        except FileNotFoundError:  # ended just now
             continue
-        part = {"engine": "engine", "rollout-endpoint": "endpoint"}.get(
-            threads.get(int(tid), ""), "rest_of_worker")
-        out[part] += (int(f[11]) + int(f[12])) / TICK
-    parents: dict[int, int] = {}
-    fields: dict[int, list[str]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields[int(pid)] = f = _stat(f"/proc/{pid}/stat")
-        except OSError:
-            continue
-        parents[int(pid)] = int(f[1])
-    for pid, f in fields.items():
-        up = parents.get(pid)
-        while up and up != os.getpid():
-            up = parents.get(up)
-        if up:
-            out["processes"] += sum(int(x) for x in f[11:15]) / TICK
+    out["processes"] = sum(cpu_seconds(child, reaped=True) for child in children(os.getpid()))
     return out
 
 

@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings  # noqa: E402
+from bench.proc_cpu import cpu_seconds, own_cpu_seconds  # noqa: E402
 from ingest.broker import EmbeddedBroker, free_port  # noqa: E402
 from ingest.events import GenerationLogged, PackedArray, SamplingParams  # noqa: E402
 from ingest.signing import SIGNATURE_HEADER, sign  # noqa: E402
@@ -96,26 +97,6 @@ async def drive(port: int, path: str, bodies: list[bytes]) -> tuple[float, list[
 def event(generations: list[str], i: int) -> dict[str, object]:
     return {"event_id": f"evt-{uuid.uuid4().hex}", "generation_id": generations[i % len(
         generations)], "kind": ["accept", "thumbs_down", "reject"][i % 3]}
-
-
-def own_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` alone (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its live descendants."""
-    total, pending = 0.0, [pid]
-    while pending:
-        p = pending.pop()
-        try:
-            total += own_cpu_seconds(p)
-            for task in Path(f"/proc/{p}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 def postgres_cpu_seconds() -> float:
