@@ -1,16 +1,16 @@
 """Is self-summarization worth it? GRPO on the long tasks, summarizing against truncating.
 
-From one mid-trained start, two GRPO runs of
-`--grpo-steps` steps on the long train tasks, at the same context budget and the same step
-count, one per `context_overflow`. The start is the default model mid-trained in two stages,
-easy to hard: `--oneline-steps` on `flywheel bootstrap`'s own corpus (the one-line tasks and
-their practice tasks: short rows that teach the tool format and copying a value from what was
-read, in a few minutes), then `--midtrain-steps` on the demonstrations of the long tasks
-(simulate/package_tasks.py: their train split and practice tasks), each summarized where the
-harness would summarize it. Mid-trained on the long tasks alone, the model had their format
-by 300 steps, but at 600 (2.4 s a step on two cores) it wrote a held-out task's two fixes
-with the right values 8% and 15% of the time and its summary never (teacher-forced, greedy),
-and solved none; after the one-line stage, 300 long steps got to 54%, 85% and 15%.
+From one mid-trained start, two GRPO runs of `--grpo-steps` steps on the long train tasks,
+at the same context budget and the same step count, one per `context_overflow`. The start is
+the default model mid-trained in two stages, easy to hard: `--oneline-steps` on the corpus
+of `flywheel bootstrap` (the one-line tasks and their practice tasks: short rows that teach
+the tool format and copying a value from what was read, in a few minutes), then
+`--midtrain-steps` on the demonstrations of the long tasks (simulate/package_tasks.py: their
+train split and practice tasks), each summarized where the harness would summarize it.
+Mid-trained on the long tasks alone, the model had their format by 300 steps, but at 600
+(2.4 s a step on two cores) it wrote a held-out task's two fixes with the right values 8%
+and 15% of the time and its summary never (teacher-forced, greedy), and solved none; after
+the one-line stage, 300 long steps got to 54%, 85% and 15%.
 
 - `summarize`: past the budget the model summarizes its work and goes on from its summary
   (the summary's tokens are trained with the episode's advantage);
