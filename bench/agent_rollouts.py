@@ -53,7 +53,7 @@ def cpu_now() -> dict[str, float]:
     for tid in map(int, os.listdir("/proc/self/task")):
         try:
             out[THREADS.get(names.get(tid, ""), "rest_of_worker")] += thread_cpu_seconds(tid)
-        except FileNotFoundError:  # ended just now
+        except (FileNotFoundError, ProcessLookupError):  # ended just now
             continue
     out["processes"] = sum(cpu_seconds(child, reaped=True) for child in children(os.getpid()))
     return out
