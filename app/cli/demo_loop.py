@@ -44,18 +44,16 @@ from trainer.bootstrap.config import LETTER_WEIGHT
 if TYPE_CHECKING:  # the developers' process pulls in the openai client: the demo's alone
     from app.cli.demo_developers import DeveloperProcess
 
-# The demo's version 0: mid-trained until the first calls of the validation tasks (unseen
-# practice tasks of every template) are written with probability 0.1 at 0.7, where held-out
-# pass@1 at 0.7 is about 20% (bench/midtrain_curve.py), the start that gained most from the
-# developers' verdicts (docs/demo.md); the letter templates' demonstrations drawn four times
-# as often as the others' (`LETTER_WEIGHT`, as `flywheel bootstrap` does; docs/bootstrap.md):
-# a start that copies integers and letters alike, so that every template of the developers'
-# traffic can learn from their verdicts (at the old start, 0.3 and unweighted, the letters, 28% of
+# The demo's version 0: mid-trained until the first calls of unseen practice tasks are written
+# with probability 0.15 at 0.7, the letter templates' demonstrations drawn four times as often
+# as the others' (`LETTER_WEIGHT`, as `flywheel bootstrap` does; docs/bootstrap.md): a start
+# that copies integers and letters alike, so that every template of the developers' traffic
+# can learn from their verdicts (at the old start, 0.3 and unweighted, the letters, 28% of
 # it, never did; docs/demo.md has both starts' runs).
 # The single-digit practice templates drawn eight times as often: without them version 0 wrote
 # `x + 30` for `add_3` and passed 14 of the 18 held-out single-digit tasks (a third of the
 # held-out set, and of the traffic) in none of 16 samples, leaving the verdicts nothing to reward
-MIDTRAIN_UNTIL = 0.1
+MIDTRAIN_UNTIL = 0.15
 DIGIT_WEIGHT = 8.0
 
 
@@ -71,7 +69,7 @@ class DemoPlan:
     training on any machine; only the wall time differs."""
 
     # a short bootstrap: the model a product would first ship, with room to learn. Mid-training
-    # stops once the model writes the first call of the validation tasks with probability
+    # stops once the model writes the first call of unseen practice tasks with probability
     # `midtrain_until` at 0.7 (a quality: where the copying of a parameter forms moves with the
     # CPU's float order), within `midtrain_steps`; None or 0: exactly `midtrain_steps`
     midtrain_steps: int = 1000
@@ -160,7 +158,7 @@ def bootstrapped_model(settings: Settings) -> tuple[Path, dict[str, Any] | None]
     base = init_model(settings.model, settings.resolved_model_dir)
     cfg = settings.bootstrap
     until = "" if cfg.midtrain_until is None else (
-        f" (fewer once the validation tasks' first calls are written with probability "
+        f" (fewer once unseen tasks' first calls are written with probability "
         f"{cfg.midtrain_until:.0%} at {cfg.midtrain_check_temperature})")
     print(f"bootstrap: {cfg.midtrain_steps} mid-training steps{until}, then {cfg.max_steps} "
           f"GRPO steps", flush=True)

@@ -117,8 +117,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 # `flywheel demo`'s flags: each sets the `DemoPlan` field it names (its default in the help)
 DEMO_FLAGS: dict[str, tuple[str, type, str]] = {
     "--midtrain-steps": ("midtrain_steps", int, "the bootstrap's most mid-training steps"),
-    "--midtrain-until": ("midtrain_until", float, "stop mid-training once the validation tasks' "
-                         "first calls are written with this probability at 0.7 (0: run "
+    "--midtrain-until": ("midtrain_until", float, "stop mid-training once unseen tasks' first "
+                         "calls are written with this probability at 0.7 (0: run "
                          "--midtrain-steps exactly)"),
     "--grpo-steps": ("grpo_steps", int, "the bootstrap's GRPO steps"),
     "--releases": ("releases", int, "releases to hot-swap in the loop"),
@@ -315,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int)
     p.add_argument("--time-budget-s", type=float, help="GRPO wall budget")
     p.add_argument("--midtrain-steps", type=int)
-    p.add_argument("--midtrain-until", type=float, help="stop mid-training early once the "
-                   "validation tasks' first calls are written with this probability (at 0.7)")
+    p.add_argument("--midtrain-until", type=float, help="stop mid-training early once unseen "
+                   "tasks' first calls are written with this probability (at 0.7)")
     p.add_argument("--mode", choices=["async", "sync"])
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--nproc", type=int, help="shard the learner over N local ranks (FSDP2); "

@@ -213,18 +213,13 @@ def validation_tasks(cfg: BootstrapSettings, source: TaskSource) -> list[Task]:
 
 
 def quality_stop(cfg: BootstrapSettings, source: TaskSource) -> QualityStop | None:
-    """The settings' early stop (`midtrain_until`), or None: scored on the validation tasks,
-    which every template has its share of, as the held-out split has (the first `eval_tasks`
-    practice tasks in the source's order, its measure until 2026-12-07, were `add`, `sub` and
-    `mul` alone, and the held-out pass@1 of the version 0 it picked went from 20% to 31% with
-    the machine: docs/demo.md)."""
+    """The settings' early stop (`midtrain_until`), or None."""
     if cfg.midtrain_until is None:
         return None
-    tasks = validation_tasks(cfg, source)
+    tasks = unseen_tasks(cfg, source)[:cfg.eval_tasks]
     if not tasks:
-        raise ValueError("midtrain_until needs validation tasks that mid-training does not see: "
-                         "set validation_tasks and grpo_practice_fraction above 0, or "
-                         "midtrain_practice false")
+        raise ValueError("midtrain_until needs practice tasks that mid-training does not see: "
+                         "set grpo_practice_fraction above 0 or midtrain_practice false")
     return QualityStop(tasks, cfg.midtrain_until, cfg.midtrain_check_temperature,
                        cfg.midtrain_check_every)
 
