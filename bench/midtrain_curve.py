@@ -2,12 +2,14 @@
 
 Mid-trains the default model as the demo's bootstrap does and, every `--every` steps from
 `--from`, measures `QualityStop`'s score (the mean probability, at 0.7, of writing the first
-call of each unseen practice task: one forward pass) and the same on the held-out split; every
-second check also runs the held-out episodes with the harness: pass@1 at 0.7 (two seeds) and
-greedy; and the same written probability on the product split's tasks, the letter templates',
-the single-digit values' and the others' apart (`--letter-weight`, `--digit-weight`: the letter
-and the digit practice templates' draw weights in mid-training, the demo's by default). Where
-the score first reaches `--target` is where `flywheel demo` stops mid-training.
+call of each unseen practice task: one forward pass; the first 64 in the source's order, which
+are `add`, `sub` and `mul`), the same on the held-out split and on the validation tasks
+(practice tasks of every template); every second check also runs the held-out episodes with the
+harness: pass@1 at 0.7 (two seeds) and greedy; and the same written probability on the product
+split's tasks, the letter templates', the single-digit values' and the others' apart
+(`--letter-weight`, `--digit-weight`: the letter and the digit practice templates' draw weights
+in mid-training, the demo's by default). Where the score first reaches `--target` is where
+`flywheel demo` stops mid-training.
 
     .venv/bin/python bench/midtrain_curve.py [--steps 800] [--from 450] [--every 25]
                                              [--letter-weight 4] [--digit-weight 8]
@@ -100,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from simulate.tasks import build_task_source
-    from trainer.bootstrap.midtrain import corpus_tasks, midtrain_on, quality_stop
+    from trainer.bootstrap.midtrain import (
+        corpus_tasks,
+        midtrain_on,
+        quality_stop,
+        validation_tasks,
+    )
     from trainer.init_model import init_model
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -128,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     product = [t for t in source.split("product") if t.canonical_solution]
     letters = [t for t in product if t.family in LETTER_FAMILIES]
     digits = [t for t in product if t not in letters and single_digit(t)]
-    groups = {"product_letters": letters, "product_digits": digits,
+    groups = {"validation": validation_tasks(cfg, source), "product_letters": letters,
+              "product_digits": digits,
               "product_others": [t for t in product if t not in letters + digits]}
     curve = Curve(stop.tasks, 2.0, stop.temperature, args.every, cfg=cfg, held_out=held_out,
                   product=groups, start=args.start)  # target 2.0: never reached
