@@ -57,7 +57,8 @@ class Curve(QualityStop):
 
     cfg: BootstrapSettings = dataclasses.field(default_factory=BootstrapSettings)
     held_out: list[Task] = dataclasses.field(default_factory=list)
-    product: dict[str, list[Task]] = dataclasses.field(default_factory=dict)  # by group
+    # the other task sets scored each check, by name (validation, product groups)
+    sets: dict[str, list[Task]] = dataclasses.field(default_factory=dict)
     start: int = 0
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     cache: SandboxCache = dataclasses.field(default_factory=SandboxCache)
@@ -73,7 +74,7 @@ class Curve(QualityStop):
         began = time.monotonic()
         unseen = super().score(policy, rows)
         record: dict[str, Any] = {"step": step, "unseen_written": round(unseen, 3)}
-        for name, tasks in {"held_out": self.held_out, **self.product}.items():
+        for name, tasks in {"held_out": self.held_out, **self.sets}.items():
             check = QualityStop(tasks, self.target, self.temperature, self.every)
             written = check.score(policy, check.rows(ChatTokens(policy.tokenizer)))
             record[f"{name}_written"] = round(written, 3)
@@ -135,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     product = [t for t in source.split("product") if t.canonical_solution]
     letters = [t for t in product if t.family in LETTER_FAMILIES]
     digits = [t for t in product if t not in letters and single_digit(t)]
-    groups = {"validation": validation_tasks(cfg, source), "product_letters": letters,
+    sets = {"validation": validation_tasks(cfg, source), "product_letters": letters,
               "product_digits": digits,
               "product_others": [t for t in product if t not in letters + digits]}
     curve = Curve(stop.tasks, 2.0, stop.temperature, args.every, cfg=cfg, held_out=held_out,
-                  product=groups, start=args.start)  # target 2.0: never reached
+                  sets=sets, start=args.start)  # target 2.0: never reached
     midtrain_on(policy, cfg, corpus_tasks(cfg, source, source.split("train")),
                 steps=args.steps, stop=curve)
     checks = [r for r in curve.records if "unseen_written" in r]
