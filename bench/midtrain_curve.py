@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     letters = [t for t in product if t.family in LETTER_FAMILIES]
     digits = [t for t in product if t not in letters and single_digit(t)]
     sets = {"validation": validation_tasks(cfg, source), "product_letters": letters,
-              "product_digits": digits,
-              "product_others": [t for t in product if t not in letters + digits]}
+            "product_digits": digits,
+            "product_others": [t for t in product if t not in letters + digits]}
     curve = Curve(stop.tasks, 2.0, stop.temperature, args.every, cfg=cfg, held_out=held_out,
                   sets=sets, start=args.start)  # target 2.0: never reached
     midtrain_on(policy, cfg, corpus_tasks(cfg, source, source.split("train")),

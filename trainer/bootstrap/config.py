@@ -50,7 +50,8 @@ class BootstrapSettings(BaseModel):
     midtrain_family_weights: dict[str, PositiveFloat] = Field(
         default_factory=lambda: dict.fromkeys(LETTER_FAMILIES, LETTER_WEIGHT))
     # Stop mid-training early, at the first check (every `midtrain_check_every` steps) where the
-    # model writes the first call of the practice tasks held back for GRPO with this mean
+    # model writes the first call of the first `eval_tasks` practice tasks held back for GRPO
+    # (in the source's order: `add`, `sub` and `mul` alone; docs/bootstrap.md) with this mean
     # probability when sampling at `midtrain_check_temperature`; midtrain_steps is then the
     # most it runs. The copying of a parameter forms as a sharp transition whose step moves
     # with the CPU's float order, so a start of a given strength is a quality, not a count
