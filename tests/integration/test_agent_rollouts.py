@@ -9,11 +9,11 @@ from pathlib import Path
 
 from app.rollouts.agent_groups import AgentGroups
 from app.rollouts.endpoint import RolloutEndpoint
+from app.settings import Settings
 from ingest.config import KafkaConfig
 from ingest.log import EventProducer
 from ingest.rollout_events import RolloutJob, RolloutSampling
 from serving.backends import build_engine
-from serving.config import EngineSettings
 from simulate.agents import BUILTIN_AGENT, AgentProgram
 from simulate.harness import Harness, HarnessConfig
 from simulate.rollouts import SandboxCache, rollout_group, unpack_segments
@@ -29,7 +29,7 @@ def test_the_builtin_agent_program_makes_the_rows_of_the_in_process_harness(
                      sampling=RolloutSampling(temperature=1.0, max_tokens=64, max_turns=3,
                                               context_budget=1024))
     # batch-invariant kernels: a row's logprobs do not depend on what else is in the batch
-    engine = build_engine(EngineSettings(), learning_model_dir, batch_invariant=True)
+    engine = build_engine(Settings().engine, learning_model_dir, batch_invariant=True)
     producer = EventProducer(kafka, client_id="agent-rows-test")
     try:
         harness = Harness.on_engine(engine, HarnessConfig.of(job.sampling))
