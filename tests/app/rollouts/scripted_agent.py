@@ -30,10 +30,11 @@ def verdict(session_id: str) -> int:
 
 def main(behavior: str, report_dir: Path) -> int:
     session = os.environ["FLYWHEEL_SESSION_ID"]
-    marker = report_dir / f"{behavior}.misbehaved"
-    misbehave = not marker.exists()
-    marker.touch()
-    if not misbehave:
+    # the first episode to create the marker misbehaves, the others behave: episodes of a
+    # group run at once, so the test and the creation are one step (O_EXCL)
+    try:
+        os.close(os.open(report_dir / f"{behavior}.misbehaved", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
         behavior = "well"
     client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL, OPENAI_API_KEY
     temperature = 0.5 if behavior == "temperature" else None
