@@ -21,13 +21,15 @@ demo: $(STAMP)
 	$(BIN)/flywheel demo
 
 # the console's browser test drives Debian's chromium and chromedriver, the many-hosts test
-# builds network namespaces with iproute2 (installed once, quietly)
+# builds network namespaces with iproute2 (installed once, quietly). Three pytest workers on
+# CI's two cores: a quarter of two workers' time went to waiting (group joins, deadlines,
+# processes starting), which a third fills (README, Tests)
 test: $(STAMP)
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
 		command -v ip >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		chromium chromium-driver iproute2 >/dev/null; }
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
 # bench/vs_trl.py needs TRL: the bench extra, installed here only (make test / demo stay lean)
 bench: $(STAMP)
