@@ -45,10 +45,11 @@ def service_reachable(host: str, port: int) -> bool:
 
 
 # torch's OpenMP (libgomp) workers spin-wait between parallel regions unless told otherwise,
-# and a spinning worker takes a core from the other test worker's processes: two pytest-xdist
-# workers on two cores each run torch at two threads, beside the servers they start. Told to
-# sleep instead (before any process here loads torch; the processes the tests start inherit
-# it), three integration files on two workers took 188 s against 260 s on a 2-core VM.
+# and a spinning worker takes a core from the other test workers' processes: the
+# pytest-xdist workers (three on two cores) each run torch at two threads, beside the servers
+# they start. Told to sleep instead (before any process here loads torch; the processes the
+# tests start inherit it), three integration files on two workers took 188 s against 260 s on
+# a 2-core VM.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The engines the tests start (in this process and in the servers they launch) decode eagerly:

@@ -149,7 +149,7 @@ def test_a_forged_verdict_is_refused_and_its_episode_made_again(
 
 
 # the hung episode runs out its deadline (twice a test); a well-behaved one takes 1-4 s here,
-# under the other xdist worker's load as well
+# under the other xdist workers' load as well
 @pytest.mark.parametrize(("behavior", "reason", "walls", "warm"), [
     ("crash", "crashed", {}, False),
     ("crash", "crashed", {}, True),
